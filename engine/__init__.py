@@ -1,0 +1,1 @@
+"""Shared runtime of both workers: config, requests, paged KV, scheduler, model runner."""

@@ -1,0 +1,199 @@
+"""Frozen configuration of one engine: the model, the KV cache, the scheduler.
+
+Derived values (the number of KV blocks, the context window) come from functions that return
+a new config, never from mutation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+DTYPES = ("float32", "bfloat16", "float16")
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the network looks like, read from an HF config.json."""
+
+    path: str
+    architecture: str
+    dtype: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_parameters: dict[str, Any]
+    max_position_embeddings: int
+    max_model_len: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architectures: {self.architecture!r} is not supported; "
+                f"supported: {SUPPORTED_ARCHITECTURES}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if not 0 < self.max_model_len <= self.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len must be in [1, {self.max_position_embeddings}] "
+                f"(the model's max_position_embeddings), got {self.max_model_len}"
+            )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer for one token."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _DTYPE_BYTES[self.dtype]
+
+
+def load_model_config(
+    path: str | Path, dtype: str = "float32", max_model_len: int | None = None
+) -> ModelConfig:
+    """Read config.json through transformers' AutoConfig; refuse what the network can't run."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(str(path))
+    arch = (getattr(hf, "architectures", None) or ["?"])[0]
+    num_heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+    max_positions = hf.max_position_embeddings
+    window = _sliding_window(hf)
+    limit = min(max_positions, window) if window else max_positions
+    if max_model_len is None:
+        max_model_len = limit
+    elif window and max_model_len > window:
+        raise ValueError(
+            f"sliding_window: the model attends to a {window}-token window, which this engine "
+            f"does not implement; pass max_model_len <= {window} (got {max_model_len})"
+        )
+    eos = hf.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+    return ModelConfig(
+        path=str(path),
+        architecture=arch,
+        dtype=dtype,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=hf.rms_norm_eps,
+        rope_parameters=_rope_parameters(hf),
+        max_position_embeddings=max_positions,
+        max_model_len=max_model_len,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        attention_bias=arch == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
+        eos_token_ids=eos_ids,
+    )
+
+
+def _sliding_window(hf: Any) -> int | None:
+    """The active sliding window, if any (Qwen2 keeps one in config but may not use it)."""
+    window = getattr(hf, "sliding_window", None)
+    if getattr(hf, "use_sliding_window", True) is False:
+        return None
+    return window or None
+
+
+def _rope_parameters(hf: Any) -> dict[str, Any]:
+    """transformers 5 keeps rope_theta and scaling in `rope_parameters`; older configs split."""
+    params = getattr(hf, "rope_parameters", None)
+    if params:
+        return dict(params)
+    params = dict(getattr(hf, "rope_scaling", None) or {})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    params["rope_theta"] = getattr(hf, "rope_theta", 10000.0)
+    return params
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache. `num_blocks` None means: derive it from `kv_cache_memory_bytes`."""
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 1 << 30
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+
+def with_num_blocks(cache: CacheConfig, model: ModelConfig) -> CacheConfig:
+    """Size the pool from the memory budget; refuse a pool that can't hold one full context."""
+    bytes_per_block = cache.block_size * model.kv_bytes_per_token
+    num_blocks = cache.num_blocks or cache.kv_cache_memory_bytes // bytes_per_block
+    if num_blocks * cache.block_size < model.max_model_len:
+        raise ValueError(
+            f"kv_cache_memory_bytes: {num_blocks} blocks x {cache.block_size} tokens can't hold "
+            f"one max_model_len={model.max_model_len} context; raise the KV budget or lower "
+            "max_model_len"
+        )
+    logger.info(
+        "KV cache: %d blocks x %d tokens, %.1f KiB per block, %d tokens of capacity (%.2f GiB)",
+        num_blocks, cache.block_size, bytes_per_block / 1024, num_blocks * cache.block_size,
+        num_blocks * bytes_per_block / 2**30,
+    )
+    return replace(cache, num_blocks=num_blocks)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits: sequences per step and tokens per step (chunked prefill)."""
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine needs; `device` is a torch device string."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"
+    num_threads: int | None = None
+    seed: int = 0
+    kernel_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_threads is not None and not 1 <= self.num_threads <= (os.cpu_count() or 1):
+            raise ValueError(
+                f"num_threads must be in [1, {os.cpu_count()}], got {self.num_threads}"
+            )

@@ -1,0 +1,41 @@
+"""EngineCore: scheduler + model runner over token ids. The step is three lines."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from engine.config import EngineConfig, with_num_blocks
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.request import Request, RequestStatus
+from engine.scheduler import Scheduler
+from engine.scheduler_output import EngineCoreOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = replace(config, cache=with_num_blocks(config.cache, config.model))
+        cache = self.config.cache
+        self.kv_cache = KVCacheManager(
+            cache.num_blocks, cache.block_size, cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.config.scheduler, self.kv_cache, config.model.max_model_len)
+        self.runner = ModelRunner(self.config)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> bool:
+        """Abort or stop a request now, freeing its blocks; False if it is not in flight."""
+        return self.scheduler.finish_request(request_id, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        plan = self.scheduler.schedule()
+        result = self.runner.execute(plan)
+        return self.scheduler.update(plan, result)

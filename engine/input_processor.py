@@ -1,0 +1,56 @@
+"""Turn a user prompt into validated token ids before anything is allocated. No torch.
+
+The router runs the same checks, so a request that would be refused never reaches a worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+Prompt = str | Sequence[int]
+
+
+def tokenize_prompt(prompt: Prompt, tokenizer: Any, vocab_size: int) -> list[int]:
+    """Token ids of a text prompt, or the checked ids of a token prompt."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        return list(tokenizer(prompt).input_ids)
+    if isinstance(prompt, (bytes, bytearray)):
+        raise ValueError("prompt must be a str or a list of token ids, got bytes")
+    ids = list(prompt)
+    if not ids:
+        raise ValueError("prompt_token_ids must not be empty")
+    for token_id in ids:
+        if isinstance(token_id, bool) or not isinstance(token_id, int):
+            raise ValueError(f"prompt_token_ids must be integers, got {token_id!r}")
+        if not 0 <= token_id < vocab_size:
+            raise ValueError(
+                f"prompt_token_ids: token id {token_id} is outside the vocabulary "
+                f"[0, {vocab_size})"
+            )
+    return ids
+
+
+def chat_prompt(messages: Sequence[dict[str, str]], tokenizer: Any) -> list[int]:
+    """Token ids of `messages` under the model's chat template, ready for the reply."""
+    if not messages:
+        raise ValueError("messages must not be empty")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{i}] must be a dict with a string 'role'")
+        if not isinstance(message.get("content"), str):
+            raise ValueError(f"messages[{i}].content must be a string")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("messages: this model's tokenizer has no chat template")
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
+    if num_prompt_tokens >= max_model_len:
+        raise ValueError(
+            f"prompt is {num_prompt_tokens} tokens; max_model_len is {max_model_len} "
+            "(prompt plus at least one generated token must fit)"
+        )

@@ -1,0 +1,121 @@
+"""KVCacheManager: which blocks each request holds, prefix-cache hits, allocation and free.
+
+The BlockPool owns ref counts and the free queue; this class owns the request -> blocks map
+and each request's chain of block hashes. No torch.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from collections.abc import Sequence
+
+from engine.block_hash import BlockHash, hash_blocks
+from engine.block_pool import Block, BlockPool
+from engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._blocks: dict[str, list[Block]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}
+        self._num_cached_blocks: dict[str, int] = {}  # leading blocks already published
+        self.num_prefix_queries = 0  # tokens looked up in the prefix cache
+        self.num_prefix_hits = 0  # tokens found there
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some request."""
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._blocks.get(request_id, ())]
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, request: Request) -> list[Block]:
+        """Leading blocks of the request already cached (no reference taken yet).
+
+        At least the last token is always recomputed, so the sampler has its logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        tokens = request.all_token_ids
+        hashes = self._chain(request, tokens)
+        max_blocks = (len(tokens) - 1) // self.block_size
+        hits: list[Block] = []
+        for i, block_hash in enumerate(hashes[:max_blocks]):
+            start = i * self.block_size
+            block = self.pool.lookup(block_hash, tokens[start : start + self.block_size])
+            if block is None:
+                break
+            hits.append(block)
+        self.num_prefix_queries += len(tokens)
+        self.num_prefix_hits += len(hits) * self.block_size
+        return hits
+
+    def allocate(
+        self, request: Request, num_new_tokens: int, hits: Sequence[Block] = ()
+    ) -> bool:
+        """Make room for `num_new_tokens` more tokens (after `hits`); False if the pool is short.
+
+        On False nothing changes, so the caller may preempt and try again.
+        """
+        held = self._blocks.get(request.request_id, [])
+        assert not (hits and held), "prefix hits apply only to a request holding no blocks"
+        num_computed = len(hits) * self.block_size if hits else request.num_computed_tokens
+        need = self.num_blocks_for(num_computed + num_new_tokens) - len(held) - len(hits)
+        evictable_hits = sum(1 for b in hits if b.ref_count == 0)
+        if need > self.pool.num_free_blocks - evictable_hits:
+            return False
+        self.pool.touch(hits)
+        held = self._blocks.setdefault(request.request_id, [])
+        held.extend(hits)
+        held.extend(self.pool.allocate(max(need, 0)))
+        if hits:
+            self._num_cached_blocks[request.request_id] = len(hits)
+        return True
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Publish the request's blocks that are now full and computed."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        done = self._num_cached_blocks.get(request.request_id, 0)
+        if num_full <= done:
+            return
+        tokens = request.token_slice(0, num_full * self.block_size)
+        hashes = self._chain(request, tokens)
+        blocks = self._blocks[request.request_id]
+        for i in range(done, num_full):
+            start = i * self.block_size
+            self.pool.cache(blocks[i], hashes[i], tokens[start : start + self.block_size])
+        self._num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release every block the request holds, tail first (evicted before shared heads)."""
+        blocks = self._blocks.pop(request.request_id, [])
+        self.pool.release(reversed(blocks))
+        self._num_cached_blocks.pop(request.request_id, None)
+
+    def forget(self, request: Request) -> None:
+        """Drop the request entirely (finished or aborted): blocks and its hash chain."""
+        self.free(request)
+        self._hashes.pop(request.request_id, None)
+
+    def _chain(self, request: Request, tokens: list[int]) -> list[BlockHash]:
+        """The request's block hashes covering `tokens`, extended and memoized."""
+        chain = self._hashes.setdefault(request.request_id, [])
+        if len(chain) < len(tokens) // self.block_size:
+            chain[:] = hash_blocks(tokens, self.block_size, chain)
+        return chain

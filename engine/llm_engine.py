@@ -1,0 +1,128 @@
+"""LLMEngine: text in, text out, on top of EngineCore (which speaks token ids only).
+
+It validates and tokenizes before anything is allocated, detokenizes incrementally, and
+ends a request when a stop string appears (freeing its blocks at once).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.engine_core import EngineCore
+from engine.input_processor import Prompt, check_prompt_length, tokenize_prompt
+from engine.outputs import RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import EngineCoreOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated, tokenized request: adding it can no longer fail on its input."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
+        self.core = EngineCore(config)
+        self.config = self.core.config
+        self.tokenizer = tokenizer
+        self._outputs: dict[str, RequestOutput] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+
+    def prepare(
+        self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
+    ) -> PreparedRequest:
+        """Validate everything about a request without touching engine state."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params)}")
+        model = self.config.model
+        ids = tokenize_prompt(prompt, self.tokenizer, model.vocab_size)
+        check_prompt_length(len(ids), model.max_model_len)
+        for token_id in params.stop_token_ids:
+            if token_id >= model.vocab_size:
+                raise ValueError(f"stop_token_ids: {token_id} is outside the vocabulary")
+        text = prompt if isinstance(prompt, str) else None
+        return PreparedRequest(request_id, text, tuple(ids), params)
+
+    def add_prepared(self, prepared: PreparedRequest) -> None:
+        rid = prepared.request_id
+        if rid in self._outputs:
+            raise ValueError(f"request_id {rid!r} is already in flight")
+        request = Request(
+            request_id=rid,
+            prompt_token_ids=prepared.prompt_token_ids,
+            sampling_params=prepared.params,
+            eos_token_ids=self.config.model.eos_token_ids,
+        )
+        self.core.add_request(request)
+        self._outputs[rid] = RequestOutput(
+            rid, prepared.prompt, list(prepared.prompt_token_ids),
+            logprobs=[] if prepared.params.logprobs is not None else None,
+        )
+        self._detokenizers[rid] = IncrementalDetokenizer(
+            self.tokenizer, prepared.prompt_token_ids, prepared.params.stop,
+            prepared.params.skip_special_tokens,
+        )
+
+    def add_request(
+        self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
+    ) -> None:
+        self.add_prepared(self.prepare(request_id, prompt, params))
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks; its final output, or None if unknown."""
+        if not self.core.finish_request(request_id, RequestStatus.FINISHED_ABORTED):
+            return None
+        out = self._outputs.pop(request_id)
+        self._detokenizers.pop(request_id)
+        out.delta_token_ids, out.delta_text = [], ""
+        out.finished, out.finish_reason = True, "abort"
+        return out
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._outputs)
+
+    def step(self) -> list[RequestOutput]:
+        return [self._process(out) for out in self.core.step()]
+
+    def _process(self, core_out: EngineCoreOutput) -> RequestOutput:
+        rid = core_out.request_id
+        out, detok = self._outputs[rid], self._detokenizers[rid]
+        update = detok.update(core_out.new_token_ids)
+        delta_text = update.delta
+        finish_reason, stop_reason = core_out.finish_reason, core_out.stop_reason
+        if update.stop_string is not None:
+            if finish_reason is None:
+                self.core.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+            finish_reason, stop_reason = "stop", update.stop_string
+        elif finish_reason is not None:
+            delta_text += detok.flush()
+        out.token_ids.extend(core_out.new_token_ids)
+        out.delta_token_ids = list(core_out.new_token_ids)
+        out.text += delta_text
+        out.delta_text = delta_text
+        if out.logprobs is not None:
+            out.logprobs.extend(core_out.new_logprobs)
+        out.num_cached_tokens = core_out.num_cached_tokens
+        if finish_reason is not None:
+            out.finished, out.finish_reason, out.stop_reason = True, finish_reason, stop_reason
+            del self._outputs[rid], self._detokenizers[rid]
+        return out

@@ -1,0 +1,138 @@
+"""ModelRunner: turns a SchedulerOutput into tensors, runs the network, samples.
+
+It owns the model, the KV cache tensors and the per-request sampling generators; it keeps
+no other state between steps (the plan carries tokens, positions and block tables).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
+from engine.config import EngineConfig
+from engine.loader import load_weights
+from engine.models import MODEL_CLASSES
+from engine.models.parallel import TensorParallel
+from engine.sampler import Sampler, SamplingBatch, make_generator
+from engine.scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from kernels.registry import get_backend
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.tp = tp or TensorParallel()
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.model.dtype)
+        self.block_size = config.cache.block_size
+        self.ops = get_backend(self.device, config.kernel_backend)
+        cfg = config.model
+        self.model = MODEL_CLASSES[cfg.architecture](cfg, self.tp, self.ops, self.dtype, self.device)
+        load_weights(self.model, cfg.path)
+        self.model.eval()
+        self.kv_caches = self._allocate_kv_caches()
+        self.sampler = Sampler(seed=config.seed)
+        self._generators: dict[str, torch.Generator] = {}
+        logger.info(
+            "model %s (%s) on %s, kernels=%s, threads=%d",
+            cfg.architecture, cfg.dtype, self.device, self.ops.name, torch.get_num_threads(),
+        )
+
+    def _allocate_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cfg, num_blocks = self.config.model, self.config.cache.num_blocks
+        assert num_blocks is not None, "size the cache with config.with_num_blocks first"
+        num_kv_heads = self.tp.split(cfg.num_kv_heads, "num_key_value_heads")
+        shape = (num_blocks, self.block_size, num_kv_heads, cfg.head_dim)
+        # zeros, not empty: masked-out slots still meet the attention matmul (0 * NaN = NaN)
+        return [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(cfg.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        for request_id in plan.finished_request_ids:
+            self._generators.pop(request_id, None)
+        if not plan.requests:
+            return RunnerOutput({}, {})
+        input_ids, positions, meta, sample_rows = self._prepare(plan)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        sampling = [e for e in plan.requests if e.sampling_params is not None]
+        if not sampling:
+            return RunnerOutput({}, {})
+        logits = self.model.compute_logits(hidden[sample_rows])  # [num_sampling, vocab]
+        batch = SamplingBatch.from_params(
+            [e.sampling_params for e in sampling],
+            [self._generator(e) for e in sampling],
+            self.config.model.vocab_size,
+            self.device,
+        )
+        out = self.sampler(logits, batch)
+        return _runner_output(sampling, out)
+
+    def _generator(self, entry: ScheduledRequest) -> torch.Generator | None:
+        if entry.request_id not in self._generators:
+            seed = entry.sampling_params.seed
+            self._generators[entry.request_id] = make_generator(seed, self.device)
+        return self._generators[entry.request_id]
+
+    def _prepare(self, plan: SchedulerOutput):
+        """Flat tokens, positions, slots, per-part block tables; all built with numpy."""
+        reqs = plan.requests
+        bs = self.block_size
+        num_new = np.fromiter((e.num_tokens for e in reqs), np.int64, len(reqs))
+        starts = np.fromiter((e.num_computed_tokens for e in reqs), np.int64, len(reqs))
+        ends = np.cumsum(num_new)
+        total = int(ends[-1])
+        token_ids = np.fromiter((t for e in reqs for t in e.token_ids), np.int64, total)
+        offsets = np.arange(total) - np.repeat(ends - num_new, num_new)
+        positions = np.repeat(starts, num_new) + offsets
+        max_blocks = max(len(e.block_ids) for e in reqs)
+        tables = np.zeros((len(reqs), max_blocks), np.int32)
+        for i, e in enumerate(reqs):
+            tables[i, : len(e.block_ids)] = e.block_ids
+        seq_of_token = np.repeat(np.arange(len(reqs)), num_new)
+        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        context_lens = (starts + num_new).astype(np.int32)
+
+        num_decodes = plan.num_decodes
+        t = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
+        decode = prefill = None
+        if num_decodes:
+            ctx = context_lens[:num_decodes]
+            decode = DecodeMetadata(t(tables[:num_decodes]), t(ctx), int(ctx.max()))
+        if num_decodes < len(reqs):
+            q_lens = num_new[num_decodes:]
+            ctx = context_lens[num_decodes:]
+            qsl = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32)
+            prefill = PrefillMetadata(
+                t(tables[num_decodes:]), t(qsl), t(ctx), int(q_lens.max()), int(ctx.max())
+            )
+        meta = AttentionMetadata(t(slots), num_decodes, decode, prefill)
+        sample_rows = [int(ends[i]) - 1 for i, e in enumerate(reqs) if e.sampling_params]
+        return t(token_ids), t(positions), meta, torch.tensor(sample_rows, device=self.device)
+
+
+def _runner_output(sampling: list[ScheduledRequest], out) -> RunnerOutput:
+    token_ids = out.token_ids.tolist()
+    sampled = {e.request_id: tok for e, tok in zip(sampling, token_ids)}
+    logprobs: dict[str, TokenLogprobs] = {}
+    if out.logprobs is not None:
+        chosen = out.logprobs.tolist()
+        top_ids = out.top_logprob_ids.tolist() if out.top_logprob_ids is not None else None
+        top_vals = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        for i, e in enumerate(sampling):
+            n = e.sampling_params.logprobs
+            if n is None:
+                continue
+            top = tuple(zip(top_ids[i][:n], top_vals[i][:n])) if n and top_ids else ()
+            logprobs[e.request_id] = TokenLogprobs(token_ids[i], chosen[i], top)
+    return RunnerOutput(sampled, logprobs)

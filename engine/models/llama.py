@@ -1,0 +1,138 @@
+"""The Llama-family network (Llama, Qwen2, Mistral) on paged attention.
+
+Our own modules, not Hugging Face's: fused QKV and gate/up projections (TP-sharded at load),
+GQA, RoPE, RMSNorm with fused residual add, SwiGLU, optional QKV bias (Qwen2), tied
+embeddings. Tokens of all sequences in a step are one flat batch: [num_tokens, hidden].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import Attention, AttentionMetadata
+from engine.config import ModelConfig
+from engine.models.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+)
+from engine.models.rope import rope_tables
+from kernels.registry import KernelBackend
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, size: int, eps: float, ops: KernelBackend, **kw):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(size, **kw), False)
+        self.eps = eps
+        self.ops = ops
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
+
+    def load(self, name: str, tensor: torch.Tensor, shard: str = "") -> None:
+        self.weight.data.copy_(tensor)
+
+
+class LlamaAttention(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, ops: KernelBackend, **kw):
+        super().__init__()
+        d = cfg.head_dim
+        self.num_heads = tp.split(cfg.num_heads, "num_attention_heads")
+        self.num_kv_heads = tp.split(cfg.num_kv_heads, "num_key_value_heads")
+        shards = {"q": cfg.num_heads * d, "k": cfg.num_kv_heads * d, "v": cfg.num_kv_heads * d}
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, shards, cfg.attention_bias, tp, **kw)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp, **kw)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, ops)
+        self.head_dim = d
+        self.ops = ops
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [T]
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)  # [T, (H + 2 Hkv) * D]
+        d = self.head_dim
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
+        q = q.reshape(-1, self.num_heads, d)  # [T, H, D]
+        k = k.reshape(-1, self.num_kv_heads, d)  # [T, Hkv, D]
+        v = v.reshape(-1, self.num_kv_heads, d)
+        self.ops.rotary_embedding(q, k, positions, *rope)
+        out = self.attn(q, k, v, kv_cache, meta)  # [T, H, D]
+        return self.o_proj(out.reshape(-1, self.num_heads * d))
+
+
+class LlamaMLP(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, **kw):
+        super().__init__()
+        shards = {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, shards, False, tp, **kw)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, ops: KernelBackend, **kw):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, **kw)
+        self.self_attn = LlamaAttention(cfg, tp, ops, **kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, **kw)
+        self.mlp = LlamaMLP(cfg, tp, **kw)
+
+    def forward(self, hidden, residual, positions, rope, kv_cache, meta):
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, rope, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(torch.nn.Module):
+    """Also serves Qwen2ForCausalLM and MistralForCausalLM (same graph, config-driven)."""
+
+    def __init__(
+        self, cfg: ModelConfig, tp: TensorParallel, ops: KernelBackend,
+        dtype: torch.dtype, device: torch.device,
+    ):
+        super().__init__()
+        kw = {"dtype": dtype, "device": device}
+        self.config = cfg
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, **kw)
+        self.layers = torch.nn.ModuleList(
+            LlamaDecoderLayer(cfg, tp, ops, **kw) for _ in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, **kw)
+        self.lm_head = (
+            self.embed_tokens
+            if cfg.tie_word_embeddings
+            else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, **kw)
+        )
+        self.rope = rope_tables(
+            cfg.rope_parameters, cfg.head_dim, cfg.max_position_embeddings,
+            cfg.max_model_len, device,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(hidden, residual, positions, self.rope, kv_cache, meta)
+        return self.norm(hidden, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
+        return self.lm_head.logits(hidden)

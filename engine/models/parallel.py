@@ -1,0 +1,129 @@
+"""Tensor-parallel building blocks: linears, embedding and LM head split over TP ranks.
+
+Weights load straight into their final (sharded, fused) layout through each parameter's
+`load(tensor, shard)`, so the same checkpoint serves any TP size that divides the heads.
+With `tp.size == 1` no collective runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's place in its TP group; `group` None only when size is 1."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    def split(self, total: int, what: str) -> int:
+        if total % self.size:
+            raise ValueError(f"{what} ({total}) must be divisible by the TP size ({self.size})")
+        return total // self.size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """y = x W^T + b with W's output rows split over ranks; fused sub-matrices by `shards`.
+
+    `shards` lists the (name, full rows) stacked in the fused weight, e.g. q/k/v or gate/up;
+    each rank holds its slice of each, stacked in the same order.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        shards: dict[str, int],
+        bias: bool,
+        tp: TensorParallel,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        self.tp = tp
+        self.shard_rows = {name: tp.split(rows, name) for name, rows in shards.items()}
+        self.offsets, offset = {}, 0
+        for name, rows in self.shard_rows.items():
+            self.offsets[name], offset = offset, offset + rows
+        kw = {"dtype": dtype, "device": device}
+        self.weight = torch.nn.Parameter(torch.empty(offset, in_features, **kw), False)
+        self.bias = torch.nn.Parameter(torch.empty(offset, **kw), False) if bias else None
+
+    def load(self, name: str, tensor: torch.Tensor, shard: str) -> None:
+        rows = self.shard_rows[shard]
+        local = tensor.narrow(0, self.tp.rank * rows, rows)
+        target = self.weight if name == "weight" else self.bias
+        target.data.narrow(0, self.offsets[shard], rows).copy_(local)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(torch.nn.Module):
+    """y = x W^T with W's input columns split over ranks; partial sums all-reduced."""
+
+    def __init__(
+        self, in_features: int, out_features: int, tp: TensorParallel,
+        dtype: torch.dtype, device: torch.device,
+    ):
+        super().__init__()
+        self.tp = tp
+        self.cols = tp.split(in_features, "in_features")
+        kw = {"dtype": dtype, "device": device}
+        self.weight = torch.nn.Parameter(torch.empty(out_features, self.cols, **kw), False)
+
+    def load(self, name: str, tensor: torch.Tensor, shard: str = "") -> None:
+        self.weight.data.copy_(tensor.narrow(1, self.tp.rank * self.cols, self.cols))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(F.linear(x, self.weight))
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Embedding rows split over ranks; also the (tied or untied) LM head."""
+
+    def __init__(
+        self, vocab_size: int, hidden_size: int, tp: TensorParallel,
+        dtype: torch.dtype, device: torch.device,
+    ):
+        super().__init__()
+        self.tp = tp
+        self.rows = -(-vocab_size // tp.size)
+        self.start = tp.rank * self.rows
+        self.vocab_size = vocab_size
+        kw = {"dtype": dtype, "device": device}
+        self.weight = torch.nn.Parameter(torch.zeros(self.rows, hidden_size, **kw), False)
+
+    def load(self, name: str, tensor: torch.Tensor, shard: str = "") -> None:
+        local = tensor[self.start : self.start + self.rows]
+        self.weight.data[: local.shape[0]].copy_(local)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill(outside[:, None], 0))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
+        local = F.linear(hidden, self.weight).float()
+        return self.tp.all_gather_last(local)[:, : self.vocab_size]

@@ -1,0 +1,172 @@
+"""Scheduler: continuous batching with chunked prefill under a token budget.
+
+Each step it gives every running request its next tokens (a decode is one token, a prefill
+a chunk), then admits waiting requests while the token budget, `max_num_seqs` and the KV pool
+allow. When the pool runs dry it preempts the newest running request by recompute: its
+blocks are freed and it waits at the front of the queue, keeping its generated tokens.
+The scheduler owns the queues; the KV manager owns the blocks. No torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.scheduler_output import (
+    EngineCoreOutput,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerStats:
+    num_computed_tokens: int = 0  # tokens run through the model, all steps
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+    num_steps: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int
+    ) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+        self._finished_ids: list[str] = []
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in flight")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> bool:
+        """End a request from outside (abort, stop string); False if it is not in flight."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, status)
+        return True
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache.allocate(request, num_new):
+                preempted = True
+                victim = self.running.pop()
+                self._preempt(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append((request, num_new))
+                budget -= num_new
+                i += 1
+        while self.waiting and budget > 0 and not preempted:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            hits = self.kv_cache.find_cached_prefix(request)
+            num_hit = len(hits) * self.kv_cache.block_size
+            num_new = min(request.num_tokens - num_hit, budget)
+            if not self.kv_cache.allocate(request, num_new, hits):
+                break
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+                self.stats.num_cached_tokens += num_hit
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append((request, num_new))
+            budget -= num_new
+        return self._plan(scheduled)
+
+    def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
+        """Advance every scheduled request by what ran; append sampled tokens; finish."""
+        outputs = []
+        self.stats.num_steps += 1
+        for entry in plan.requests:
+            request = self.requests.get(entry.request_id)
+            if request is None:  # finished from outside while the step ran
+                continue
+            request.num_computed_tokens += entry.num_tokens
+            self.stats.num_computed_tokens += entry.num_tokens
+            self.kv_cache.cache_computed_blocks(request)
+            token_id = result.sampled_token_ids.get(entry.request_id)
+            if token_id is None:
+                continue
+            request.output_token_ids.append(token_id)
+            status = request.stop_status(token_id, self.max_model_len)
+            logprobs = result.logprobs.get(entry.request_id)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=(token_id,),
+                    new_logprobs=(logprobs,) if logprobs else (),
+                    finish_reason=status.finish_reason if status else None,
+                    stop_reason=request.stop_reason if status else None,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+        return outputs
+
+    def _plan(self, scheduled: list[tuple[Request, int]]) -> SchedulerOutput:
+        entries = []
+        for request, num_new in scheduled:
+            start = request.num_computed_tokens
+            samples = start + num_new == request.num_tokens
+            entries.append(
+                ScheduledRequest(
+                    request_id=request.request_id,
+                    token_ids=tuple(request.token_slice(start, start + num_new)),
+                    num_computed_tokens=start,
+                    block_ids=tuple(self.kv_cache.block_ids(request.request_id)),
+                    sampling_params=request.sampling_params if samples else None,
+                )
+            )
+        entries.sort(key=lambda e: e.num_tokens != 1)  # decode-shaped first, order kept
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return SchedulerOutput(requests=tuple(entries), finished_request_ids=finished)
+
+    def _preempt(self, request: Request) -> None:
+        logger.debug("preempting %s at %d tokens", request.request_id, request.num_tokens)
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache.forget(request)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)

@@ -1,0 +1,65 @@
+"""The messages between Scheduler and ModelRunner: a self-contained plan and its result.
+
+A plan carries everything a runner needs (tokens, positions, block tables), so the same
+message can be broadcast from the scheduling rank to every tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: tuple[int, ...]  # tokens computed this step
+    num_computed_tokens: int  # position of token_ids[0]
+    block_ids: tuple[int, ...]  # the request's whole block table
+    sampling_params: SamplingParams | None  # None: a prefill chunk that samples nothing
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    requests: tuple[ScheduledRequest, ...]  # single-token (decode-shaped) requests first
+    finished_request_ids: tuple[str, ...] = ()  # the runner drops their per-request state
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for r in self.requests if r.num_tokens == 1)
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.requests)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probability of the chosen token, and of the top-n alternatives when asked."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    sampled_token_ids: dict[str, int]  # only requests whose plan entry asked for a sample
+    logprobs: dict[str, TokenLogprobs]
+
+
+@dataclass(frozen=True)
+class EngineCoreOutput:
+    """One request's news from one step: tokens (token ids only) and whether it finished."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_logprobs: tuple[TokenLogprobs, ...] = ()
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0

@@ -1,0 +1,54 @@
+"""Write small random-weight Llama / Qwen2 checkpoints (HF format) for fast tests.
+
+The weights are drawn with a large enough spread that logits are well separated, so greedy
+decoding is not decided by float rounding and two correct implementations agree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.default_model import ensure_default_model
+
+_BASE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float32",
+}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def write_tiny_model(
+    out: str | Path, model_type: str = "llama", seed: int = 0, **overrides: Any
+) -> Path:
+    """A random checkpoint sharing SmolLM2's tokenizer (so text prompts work), at `out`."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    out = Path(out)
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_default_model()))
+    values = {**_BASE, "vocab_size": len(tokenizer), **overrides}
+    values.setdefault("tie_word_embeddings", model_type == "qwen2")
+    config = AutoConfig.for_model(model_type, **values)
+    config.architectures = [ARCHITECTURES[model_type]]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.15 if "embed" in name else 0.1)
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    return out

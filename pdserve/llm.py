@@ -1,0 +1,114 @@
+"""LLM: the offline API. `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig, load_model_config
+from engine.default_model import DEFAULT_MODEL, resolve_model
+from engine.input_processor import Prompt, chat_prompt
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLM:
+    """A whole engine in this process: load once, then generate for batches of prompts.
+
+    `model` is an HF-format directory or a known name (default: the bundled SmolLM2).
+    """
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        dtype: str = "float32",
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        kv_cache_memory_bytes: int = 1 << 30,
+        num_kv_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 2048,
+        num_threads: int | None = None,
+        device: str = "cpu",
+        seed: int = 0,
+        kernel_backend: str | None = None,
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        path = resolve_model(model)
+        config = EngineConfig(
+            model=load_model_config(path, dtype, max_model_len),
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                num_blocks=num_kv_blocks,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+            device=device,
+            num_threads=num_threads,
+            seed=seed,
+            kernel_backend=kernel_backend,
+        )
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        self.engine = LLMEngine(config, self.tokenizer)
+        self._ids = itertools.count()
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order.
+
+        Every prompt is validated before any is queued: one bad prompt raises ValueError
+        and nothing runs.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(
+                f"sampling_params: got {len(params)} for {len(prompts)} prompts"
+            )
+        prepared = [
+            self.engine.prepare(f"offline-{next(self._ids)}", prompt, p)
+            for prompt, p in zip(prompts, params)
+        ]
+        return self._run(prepared)
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
+        sampling_params: SamplingParams | None = None,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation (a list of {role, content}) or to several."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [chat_prompt(conv, self.tokenizer) for conv in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def _run(self, prepared: list) -> list[RequestOutput]:
+        for request in prepared:
+            self.engine.add_prepared(request)
+        finished: dict[str, RequestOutput] = {}
+        try:
+            while len(finished) < len(prepared):
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+        finally:
+            for request in prepared:  # on an interrupt, leave nothing allocated
+                if request.request_id not in finished:
+                    self.engine.abort(request.request_id)
+        return [finished[r.request_id] for r in prepared]

@@ -1,0 +1,26 @@
+"""Shared fixtures: the real SmolLM2 checkpoint and tiny random Llama / Qwen2 checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.default_model import ensure_default_model
+from engine.tiny_models import write_tiny_model
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct in HF format (converted from the packaged GGUF once)."""
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", seed=2)
