@@ -41,7 +41,10 @@ class IncrementalDetokenizer:
     Deltas + `flush()` equal the text the output tokens add after the prompt, i.e.
     `decode(prompt + output)[len(decode(prompt)):]`. For byte-level BPE that is
     `decode(output)`; for sentencepiece tokenizers it keeps the first token's leading space,
-    which `decode(output)` alone strips.
+    which `decode(output)` alone strips. One known gap: HF's ByteFallback decoder turns a
+    whole run of <0xNN> tokens into U+FFFDs when any byte in it is invalid, retroactively;
+    a stream cannot unsay characters already sent, so for invalid byte runs (garbage output)
+    the streamed text can differ from decode() in where its U+FFFDs are.
     """
 
     def __init__(
@@ -102,10 +105,17 @@ class IncrementalDetokenizer:
         return delta
 
     def _initial_context(self, prompt_token_ids: Sequence[int]) -> tuple[list[int], str]:
-        context = list(prompt_token_ids)[-NUM_CONTEXT_TOKENS:]
-        text = self._decode(context)
-        # A prompt (given as token ids) may end inside a character; its completion would then
-        # misalign the window's text against the context's, so such a tail is not context.
+        prompt = list(prompt_token_ids)
+        first = max(0, len(prompt) - NUM_CONTEXT_TOKENS)
+        # A window cut inside a character decodes to U+FFFD; with sentencepiece byte fallback
+        # the whole byte run does, up to its end. A character is at most 4 byte tokens long.
+        for start in range(first, max(-1, first - 4), -1):
+            text = self._decode(prompt[start:])
+            if not text.endswith(_REPLACEMENT_CHAR):
+                return prompt[start:], text
+        # The prompt (given as token ids) ends inside a character: its completion would
+        # misalign the window's text against the context's, so that tail is no context.
+        context = prompt[first:]
         while context and text.endswith(_REPLACEMENT_CHAR):
             context.pop()
             text = self._decode(context)

@@ -70,8 +70,11 @@ class SamplingBatch:
     ) -> SamplingBatch:
         _check_batch_args(params, generators, vocab_size, device)
         greedy = [p.temperature < MIN_TEMPERATURE for p in params]
-        temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
-        top_k = [1 if g else _effective_top_k(p.top_k, vocab_size) for p, g in zip(params, greedy)]
+        temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+        top_k = [
+            1 if g else _effective_top_k(p.top_k, vocab_size)
+            for p, g in zip(params, greedy, strict=True)
+        ]
         random_rows = [row for row, g in enumerate(greedy) if not g]
         asked = [p.logprobs for p in params if p.logprobs is not None]
         return cls(

@@ -150,9 +150,10 @@ def test_greedy_is_argmax() -> None:
 def test_greedy_rows_in_a_random_batch_and_tiny_temperature() -> None:
     logits = torch.randn(8, 500, generator=torch.Generator().manual_seed(1))
     greedy = [SamplingParams(temperature=0.0), SamplingParams(temperature=1e-7, top_p=0.5)]
-    params = [greedy[row // 4] if row % 2 == 0 else SamplingParams(top_k=50) for row in range(8)]
-    out = Sampler(seed=0)(logits, _batch(params, 500))
-    assert torch.equal(out.token_ids[0::2], logits[0::2].argmax(dim=-1))
+    for random_params in (SamplingParams(), SamplingParams(top_k=50)):  # unfiltered, top-k path
+        params = [greedy[row // 4] if row % 2 == 0 else random_params for row in range(8)]
+        out = Sampler(seed=0)(logits, _batch(params, 500))
+        assert torch.equal(out.token_ids[0::2], logits[0::2].argmax(dim=-1))
 
 
 def _run_seeded(

@@ -1,0 +1,1 @@
+"""Benchmarks (not tests): offline throughput against transformers, workloads."""

@@ -1,0 +1,341 @@
+"""Offline throughput: pdserve `LLM.generate` vs transformers `generate` vs `generate_batch`.
+
+Workload: `--num-prompts` (64) requests from `benchmarks.workloads.sharegpt_like`: random
+token-id prompts, input lengths LogNormal(median 150, sigma 0.9) clipped to [4, 1024], output
+lengths LogNormal(median 120, sigma 0.7) clipped to [4, 512], numpy seed `--seed`; `--scale`
+multiplies medians and upper clips (0.25 for a quick check). Model: SmolLM2-135M-Instruct,
+float32, CPU, greedy. Every request asks for exactly its own output length, EOS ignored:
+
+- pdserve: `SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)` per request.
+- hf generate: static batches of `--hf-batch-size` in arrival order (`--hf-sort`: by output
+  length, longest first), left-padded with an attention mask. A batch runs to its longest
+  member's length; only the tokens each request asked for are counted ("output tokens"), the
+  rest are reported as "computed". EOS is disabled by setting `eos_token_id=None` (model and
+  call), not with `min_new_tokens`: that would mask EOS logits and change greedy tokens,
+  whereas ignore_eos (and this) may emit EOS and go on, so tokens stay comparable.
+- hf generate_batch: the ContinuousBatchingManager that `generate_batch` runs, fed through
+  `add_request(max_new_tokens=n, eos_token_id=-1)` because `generate_batch` takes one
+  `max_new_tokens` for all requests. Its KV cache gets the same byte budget as pdserve's
+  (its CPU default takes ~60% of free RAM) and the same per-step token budget.
+
+Each system runs in its own spawned child, one after the other, all with
+`torch.set_num_threads(--threads)`. A child loads its model, warms up on two short prompts
+outside the workload, then is timed from submitting the first request to the last result
+(model load and cache allocation excluded for all three). Peak RSS: the kernel's VmHWM of
+that child, reset through /proc/self/clear_refs just before the timed phase, so it is the
+resident high-water mark of the generation phase (model weights, KV cache, activations).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/offline_throughput.py --threads 2 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import multiprocessing
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.workloads import BenchRequest, sharegpt_like
+
+PDSERVE, HF_GENERATE, HF_BATCH = "pdserve", "hf generate", "hf generate_batch"
+BLOCK_SIZE = 16
+PAD_TOKEN_ID = 2  # SmolLM2's <|im_end|>: only fills masked positions
+
+
+# ----------------------------------------------------------------------------- child side
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
+def _run_pdserve(reqs: list[BenchRequest], warm: list[BenchRequest], opts: dict) -> Any:
+    from pdserve import LLM, SamplingParams
+
+    llm = LLM(
+        model=opts["model"], dtype="float32", block_size=BLOCK_SIZE,
+        max_model_len=opts["max_model_len"], kv_cache_memory_bytes=opts["kv_cache_bytes"],
+        max_num_seqs=opts["max_num_seqs"], max_num_batched_tokens=opts["max_batched_tokens"],
+        num_threads=opts["threads"],
+    )
+
+    def run(batch: list[BenchRequest]) -> tuple[list[list[int]], int, float]:
+        start = time.perf_counter()
+        params = [
+            SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
+            for r in batch
+        ]
+        outs = llm.generate([r.prompt_token_ids for r in batch], params)
+        elapsed = time.perf_counter() - start
+        return [list(o.token_ids) for o in outs], sum(len(o.token_ids) for o in outs), elapsed
+
+    return run
+
+
+def _load_hf(opts: dict) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(opts["model_path"], dtype=torch.float32)
+    model.eval()
+    model.generation_config.eos_token_id = None  # ignore_eos: never a stopping criterion
+    model.generation_config.pad_token_id = PAD_TOKEN_ID
+    return model
+
+
+def _hf_batches(reqs: list[BenchRequest], size: int, sort: bool) -> list[list[int]]:
+    order = list(range(len(reqs)))
+    if sort:
+        order.sort(key=lambda i: (reqs[i].output_len, len(reqs[i].prompt_token_ids)), reverse=True)
+    return [order[i : i + size] for i in range(0, len(order), size)]
+
+
+def _run_hf_generate(reqs: list[BenchRequest], warm: list[BenchRequest], opts: dict) -> Any:
+    import torch
+    from transformers import GenerationConfig
+
+    model = _load_hf(opts)
+
+    @torch.inference_mode()
+    def run(batch: list[BenchRequest]) -> tuple[list[list[int]], int, float]:
+        start = time.perf_counter()
+        tokens: list[list[int]] = [[] for _ in batch]
+        computed = 0
+        for idx in _hf_batches(batch, opts["hf_batch_size"], opts["hf_sort"]):
+            prompts = [batch[i].prompt_token_ids for i in idx]
+            width = max(map(len, prompts))
+            ids = torch.full((len(idx), width), PAD_TOKEN_ID, dtype=torch.long)
+            mask = torch.zeros((len(idx), width), dtype=torch.long)
+            for row, p in enumerate(prompts):  # left padding
+                ids[row, width - len(p) :] = torch.tensor(p)
+                mask[row, width - len(p) :] = 1
+            max_new = max(batch[i].output_len for i in idx)
+            cfg = GenerationConfig(
+                do_sample=False, max_new_tokens=max_new, eos_token_id=None,
+                pad_token_id=PAD_TOKEN_ID,
+            )
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
+            new = out[:, width:].tolist()  # [batch, max_new]
+            computed += sum(len(r) for r in new)
+            for row, i in enumerate(idx):
+                tokens[i] = new[row][: batch[i].output_len]
+        return tokens, computed, time.perf_counter() - start
+
+    return run
+
+
+def _run_hf_batch(reqs: list[BenchRequest], warm: list[BenchRequest], opts: dict) -> Any:
+    import torch
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model = _load_hf(opts)
+    gen_cfg = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=PAD_TOKEN_ID)
+    page_size = 256  # ContinuousBatchingConfig's default
+    cb_cfg = ContinuousBatchingConfig(
+        page_size=page_size,
+        num_blocks=max(1, opts["kv_cache_bytes"] // (page_size * opts["kv_bytes_per_token"])),
+        max_batch_tokens=opts["max_batched_tokens"],
+    )
+
+    @torch.inference_mode()
+    def run(batch: list[BenchRequest]) -> tuple[list[list[int]], int, float]:
+        with model.continuous_batching_context_manager(
+            generation_config=gen_cfg, continuous_batching_config=cb_cfg, block=True, timeout=30
+        ) as manager:
+            # timed from the first request to the last result: cache allocation, thread
+            # start and the stop/cleanup in __exit__ are left out, as pdserve's are
+            start = time.perf_counter()
+            add = manager.add_request
+            ids = [
+                add(r.prompt_token_ids, max_new_tokens=r.output_len, eos_token_id=-1)
+                for r in batch
+            ]
+            done: dict[str, list[int]] = {}
+            while len(done) < len(ids):
+                out = manager.get_result(timeout=1)
+                if out is not None and out.is_finished():
+                    done[out.request_id] = list(out.generated_tokens)
+                elif out is None and not manager.is_running():
+                    raise RuntimeError("generate_batch's generation thread died")
+            elapsed = time.perf_counter() - start
+        tokens = [done[i] for i in ids]
+        return tokens, sum(map(len, tokens)), elapsed
+
+    return run
+
+
+RUNNERS = {PDSERVE: _run_pdserve, HF_GENERATE: _run_hf_generate, HF_BATCH: _run_hf_batch}
+
+
+def run_phase(system: str, reqs: list[BenchRequest], warm: list[BenchRequest], opts: dict) -> dict:
+    """Child-process entry: load, warm up, time one pass over `reqs`, measure peak RSS."""
+    import torch
+
+    torch.set_num_threads(opts["threads"])
+    run = RUNNERS[system](reqs, warm, opts)
+    run(warm)
+    rss_load = _rss_kib("VmRSS")
+    phase_peak = _reset_peak_rss()
+    tokens, computed, wall_s = run(reqs)
+    peak = _rss_kib("VmHWM") if phase_peak else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {
+        "system": system,
+        "requests": len(reqs),
+        "output_tokens": sum(min(len(t), r.output_len) for t, r in zip(tokens, reqs, strict=True)),
+        "computed_tokens": computed,
+        "short_requests": sum(len(t) < r.output_len for t, r in zip(tokens, reqs, strict=True)),
+        "wall_s": wall_s,
+        "rss_after_load_mib": rss_load / 1024,
+        "peak_rss_mib": peak / 1024,
+        "peak_rss_kind": "phase VmHWM" if phase_peak else "process ru_maxrss",
+        "threads": torch.get_num_threads(),
+        "token_ids": tokens,
+    }
+
+
+# ---------------------------------------------------------------------------- parent side
+
+
+def _spawn(system: str, reqs: list, warm: list, opts: dict) -> dict:
+    os.environ["OMP_NUM_THREADS"] = str(opts["threads"])  # inherited by the spawned child
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        return pool.submit(run_phase, system, reqs, warm, opts).result()
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    prefix = []
+    for x, y in zip(a, b, strict=True):
+        pairs = enumerate(zip(x, y, strict=False))
+        n = next((i for i, (p, q) in pairs if p != q), min(len(x), len(y)))
+        prefix.append(n / max(1, len(x)))
+    exact = sum(x == y for x, y in zip(a, b, strict=True))
+    return {"exact": exact, "of": len(a), "mean_common_prefix": sum(prefix) / len(prefix)}
+
+
+def _print_table(results: list[dict]) -> None:
+    by = {r["system"]: r for r in results}
+    head = (
+        f"{'system':<18} {'reqs':>5} {'out tok':>8} {'computed':>9} {'wall s':>8} "
+        f"{'out tok/s':>10} {'vs pdserve':>10} {'vs generate':>11} {'RSS load':>9} {'peak RSS':>9}"
+    )
+    print(head + "\n" + "-" * len(head))
+    for r in results:
+        tps = r["output_tokens"] / r["wall_s"]
+        vs = []
+        for ref in (PDSERVE, HF_GENERATE):
+            base = by.get(ref)
+            ref_tps = base["output_tokens"] / base["wall_s"] if base else None
+            vs.append(f"{tps / ref_tps:.2f}x" if ref_tps else "-")
+        print(
+            f"{r['system']:<18} {r['requests']:>5} {r['output_tokens']:>8} "
+            f"{r['computed_tokens']:>9} {r['wall_s']:>8.2f} {tps:>10.1f} {vs[0]:>10} "
+            f"{vs[1]:>11} {r['rss_after_load_mib']:>8.0f}M {r['peak_rss_mib']:>8.0f}M"
+        )
+
+
+def _options(args: argparse.Namespace, reqs: list[BenchRequest]) -> dict:
+    from engine.default_model import ensure_default_model
+
+    path = ensure_default_model()
+    hf = json.loads((path / "config.json").read_text())
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    longest = max(len(r.prompt_token_ids) + r.output_len for r in reqs)
+    return {
+        "model": "smollm2-135m", "model_path": str(path), "vocab_size": hf["vocab_size"],
+        "threads": args.threads, "hf_batch_size": args.hf_batch_size, "hf_sort": args.hf_sort,
+        "max_model_len": -(-longest // BLOCK_SIZE) * BLOCK_SIZE,
+        "kv_cache_bytes": int(args.kv_cache_gib * (1 << 30)),
+        "kv_bytes_per_token": 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"]
+        * head_dim * 4,
+        "max_num_seqs": args.max_num_seqs, "max_batched_tokens": args.max_num_batched_tokens,
+    }
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2, help="torch threads for every system")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scale", type=float, default=1.0, help="length multiplier (0.25: quick)")
+    p.add_argument("--hf-batch-size", type=int, default=16, help="static batch for generate")
+    p.add_argument("--hf-sort", action="store_true", help="sort generate's batches by length")
+    p.add_argument("--skip-hf", action="store_true", help="run pdserve only")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="pdserve's and CB's KV")
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--json", type=Path, default=None, help="write results here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _parse_args(argv)
+    from engine.default_model import ensure_default_model
+
+    vocab = json.loads((ensure_default_model() / "config.json").read_text())["vocab_size"]
+    reqs = sharegpt_like(args.num_prompts, vocab, args.seed, args.scale)
+    warm = sharegpt_like(2, vocab, args.seed + 10_000, 0.1)
+    opts = _options(args, reqs)
+    in_lens = sorted(len(r.prompt_token_ids) for r in reqs)
+    out_lens = sorted(r.output_len for r in reqs)
+    print(
+        f"workload: {len(reqs)} requests, seed {args.seed}, scale {args.scale}; input tokens "
+        f"{sum(in_lens)} (median {in_lens[len(reqs) // 2]}, max {in_lens[-1]}), output tokens "
+        f"{sum(out_lens)} (median {out_lens[len(reqs) // 2]}, max {out_lens[-1]}); "
+        f"threads {args.threads} (torch.set_num_threads in each child); cpus {os.cpu_count()}"
+    )
+    systems = [PDSERVE] if args.skip_hf else [PDSERVE, HF_GENERATE, HF_BATCH]
+    results = []
+    for system in systems:
+        print(f"running {system} ...", flush=True)
+        results.append(_spawn(system, reqs, warm, opts))
+    print()
+    _print_table(results)
+    print(
+        f"\nout tok = tokens each request asked for; computed = tokens the system generated "
+        f"(generate: batch of {args.hf_batch_size} runs to its longest member"
+        f"{', sorted by length' if args.hf_sort else ', arrival order'}). "
+        f"peak RSS = {results[0]['peak_rss_kind']} of each child during the timed phase; "
+        f"threads used: {', '.join(str(r['threads']) for r in results)}."
+    )
+    agreement = {}
+    for other in results[1:]:
+        agreement[other["system"]] = _agreement(results[0]["token_ids"], other["token_ids"])
+        a = agreement[other["system"]]
+        print(
+            f"greedy agreement pdserve vs {other['system']}: {a['exact']}/{a['of']} requests "
+            f"identical, mean common prefix {a['mean_common_prefix']:.1%} of the output"
+        )
+    report = {
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "workload": {"input_lens": in_lens, "output_lens": out_lens},
+        "results": [{k: v for k, v in r.items() if k != "token_ids"} for r in results],
+        "agreement": agreement,
+    }
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

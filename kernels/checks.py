@@ -1,0 +1,116 @@
+"""Argument checks and launch helpers shared by the Triton wrappers.
+
+The wrappers raise `ValueError` naming the offending argument and the fix, so a caller that
+passes the wrong layout learns it at the boundary instead of reading garbage from the cache.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SCALE_DTYPES = (torch.float16, torch.float32)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU interpreter (tests): fixes the launch shape."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def pow2(n: int, minimum: int = 1) -> int:
+    return max(minimum, triton.next_power_of_2(int(n)))
+
+
+def num_programs_target(device: torch.device) -> int:
+    """Programs a launch should offer to keep every SM busy (4 waves); 1 on the interpreter."""
+    if device.type != "cuda":
+        return 1
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def dot_dtype(cache_dtype: torch.dtype, q_dtype: torch.dtype) -> tl.dtype:
+    """Operand type of tl.dot: native fp16/bf16 on a GPU (tensor cores), fp32 otherwise.
+
+    int8 values (|q| <= 127) are exact in fp16 and bf16, so an int8 cache feeds the tensor
+    cores in the query's half type. fp32 stays fp32 (with IEEE precision, not tf32). The
+    interpreter computes bf16 wrongly, so there every operand is upcast to fp32.
+    """
+    if interpreting():
+        return tl.float32
+    half = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+    if cache_dtype == torch.int8:
+        return half.get(q_dtype, tl.float32)
+    return half.get(cache_dtype, tl.float32)
+
+
+def dot_precision(dtype: tl.dtype) -> str:
+    """fp32 operands ask for exact products; tf32 would miss the fp32 error bound."""
+    return "ieee" if dtype == tl.float32 else "tf32"
+
+
+def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    if t.dtype not in allowed:
+        raise ValueError(f"{name} must have dtype in {allowed}, got {t.dtype}")
+
+
+def check_shape(name: str, t: torch.Tensor, shape: tuple[int | None, ...]) -> None:
+    """`None` in `shape` matches any size."""
+    ok = t.dim() == len(shape) and all(w is None or w == s for s, w in zip(t.shape, shape))
+    if not ok:
+        want = tuple("*" if w is None else w for w in shape)
+        raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+
+
+def check_device(device: torch.device, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but the kernel runs on {device}")
+
+
+def check_last_contiguous(name: str, t: torch.Tensor) -> None:
+    """The head_dim axis must have stride 1 so each row is one vectorised load."""
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have stride 1 in its last dim; pass {name}.contiguous()")
+
+
+def check_kv_cache(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, quantized: bool = False
+) -> tuple[int, int, int, int]:
+    """Validate a K/V cache pair; returns (num_blocks, block_size, num_kv_heads, head_dim)."""
+    if k_cache.dim() != 4:
+        raise ValueError(
+            "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got shape {tuple(k_cache.shape)}"
+        )
+    check_shape("v_cache", v_cache, tuple(k_cache.shape))
+    allowed = (torch.int8,) if quantized else FLOAT_DTYPES
+    check_dtype("k_cache", k_cache, allowed)
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache dtype {v_cache.dtype} differs from k_cache {k_cache.dtype}")
+    check_last_contiguous("k_cache", k_cache)
+    check_last_contiguous("v_cache", v_cache)
+    return tuple(k_cache.shape)  # type: ignore[return-value]
+
+
+def check_kv_scales(
+    k_scale: torch.Tensor, v_scale: torch.Tensor, k_cache: torch.Tensor
+) -> None:
+    """Scales are [num_blocks, block_size, num_kv_heads] beside an int8 cache."""
+    check_shape("k_scale", k_scale, tuple(k_cache.shape[:3]))
+    check_shape("v_scale", v_scale, tuple(k_cache.shape[:3]))
+    check_dtype("k_scale", k_scale, SCALE_DTYPES)
+    check_dtype("v_scale", v_scale, SCALE_DTYPES)
+
+
+def check_block_tables(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, num_seqs: int
+) -> None:
+    check_shape("block_tables", block_tables, (num_seqs, None))
+    check_dtype("block_tables", block_tables, (torch.int32, torch.int64))
+    check_shape("context_lens", context_lens, (num_seqs,))
+    check_dtype("context_lens", context_lens, (torch.int32, torch.int64))
+    check_last_contiguous("block_tables", block_tables)

@@ -1,0 +1,130 @@
+"""Scheduler + KV manager under random load, with the model isolated by a fake runner.
+
+The fake runner keeps a token-level "KV cache" addressed exactly like the real one (block
+table + slot), writes each step's tokens there, and derives the next token from the context
+it reads back through the block table. Any block-table, prefix-cache, chunking or
+preemption mistake therefore changes the output, which is compared against a run of each
+request alone.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.scheduler_output import RunnerOutput, SchedulerOutput
+
+EOS = 7
+VOCAB = 1000
+
+
+def next_token(context: list[int]) -> int:
+    return hash(tuple(context)) % VOCAB
+
+
+def reference(prompt: list[int], max_tokens: int, max_model_len: int) -> list[int]:
+    tokens, out = list(prompt), []
+    while True:
+        token = next_token(tokens)
+        tokens.append(token)
+        out.append(token)
+        if token == EOS or len(out) >= max_tokens or len(tokens) >= max_model_len:
+            return out
+
+
+class FakeRunner:
+    def __init__(self, num_blocks: int, block_size: int):
+        self.cache = np.full(num_blocks * block_size, -1, np.int64)
+        self.block_size = block_size
+
+    def slots(self, block_ids: tuple[int, ...], positions: range) -> np.ndarray:
+        pos = np.asarray(positions)
+        return np.asarray(block_ids)[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        sampled = {}
+        for entry in plan.requests:
+            assert entry.num_tokens >= 1, "a scheduled request must compute a token"
+            end = entry.num_computed_tokens + entry.num_tokens
+            self.cache[self.slots(entry.block_ids, range(entry.num_computed_tokens, end))] = (
+                entry.token_ids
+            )
+            if entry.sampling_params is not None:
+                context = self.cache[self.slots(entry.block_ids, range(end))].tolist()
+                sampled[entry.request_id] = next_token(context)
+        return RunnerOutput(sampled, {})
+
+
+def run_random_load(seed: int, prefix_caching: bool) -> None:
+    rng = random.Random(seed)
+    block_size, num_blocks, max_model_len = 4, 40, 160
+    kv = KVCacheManager(num_blocks, block_size, prefix_caching)
+    config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24)
+    scheduler = Scheduler(config, kv, max_model_len)
+    runner = FakeRunner(num_blocks, block_size)
+    shared = [rng.randrange(8, VOCAB) for _ in range(40)]
+    expected, outputs, aborted = {}, {}, set()
+    pending = []
+    for i in range(40):
+        prompt = shared[: rng.randrange(0, 41)] + [
+            rng.randrange(8, VOCAB) for _ in range(rng.randrange(1, 30))
+        ]
+        if pending and rng.random() < 0.2:  # an exact repeat: a full prefix-cache hit
+            prompt = list(rng.choice(pending).prompt_token_ids)
+        max_tokens = rng.randrange(1, 40)
+        expected[str(i)] = reference(prompt, max_tokens, max_model_len)
+        params = SamplingParams(max_tokens=max_tokens)
+        pending.append(Request(str(i), tuple(prompt), params, (EOS,)))
+    steps = 0
+    while pending or scheduler.has_unfinished_requests():
+        for _ in range(rng.randrange(0, 3)):
+            if pending:
+                scheduler.add_request(pending.pop(0))
+        if scheduler.requests and rng.random() < 0.03:
+            victim = rng.choice(sorted(scheduler.requests))
+            assert scheduler.finish_request(victim, RequestStatus.FINISHED_ABORTED)
+            aborted.add(victim)
+        plan = scheduler.schedule()
+        assert plan.total_num_tokens <= config.max_num_batched_tokens
+        assert len(plan.requests) <= config.max_num_seqs
+        for out in scheduler.update(plan, runner.execute(plan)):
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        steps += 1
+        assert steps < 5000, "scheduler made no progress"
+    assert scheduler.stats.num_preemptions > 0, "the pool was meant to be too small"
+    for rid, tokens in expected.items():
+        if rid not in aborted:
+            assert outputs[rid] == tokens, rid
+    assert kv.num_free_blocks == num_blocks
+    assert all(kv.pool.block(i).ref_count == 0 for i in range(num_blocks))
+    if prefix_caching:
+        assert scheduler.stats.num_cached_tokens > 0
+
+
+def test_random_load_with_prefix_caching():
+    for seed in range(5):
+        run_random_load(seed, prefix_caching=True)
+
+
+def test_random_load_without_prefix_caching():
+    for seed in range(5):
+        run_random_load(seed, prefix_caching=False)
+
+
+def test_decodes_come_first_and_chunks_respect_budget():
+    kv = KVCacheManager(64, 4, False)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10), kv, 200)
+    runner = FakeRunner(64, 4)
+    scheduler.add_request(Request("short", (1, 2), SamplingParams(max_tokens=5)))
+    plan = scheduler.schedule()
+    scheduler.update(plan, runner.execute(plan))
+    scheduler.add_request(Request("long", tuple(range(10, 40)), SamplingParams(max_tokens=5)))
+    plan = scheduler.schedule()
+    assert [(e.request_id, e.num_tokens) for e in plan.requests] == [("short", 1), ("long", 9)]
+    assert plan.requests[1].sampling_params is None  # mid-prompt chunk samples nothing
