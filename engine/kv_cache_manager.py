@@ -7,7 +7,6 @@ and each request's chain of block hashes. No torch.
 from __future__ import annotations
 
 import logging
-
 from collections.abc import Sequence
 
 from engine.block_hash import BlockHash, hash_blocks

@@ -7,7 +7,7 @@ ends a request when a stop string appears (freeing its blocks at once).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.config import EngineConfig
@@ -91,7 +91,7 @@ class LLMEngine:
         self._detokenizers.pop(request_id)
         out.delta_token_ids, out.delta_text = [], ""
         out.finished, out.finish_reason = True, "abort"
-        return out
+        return _snapshot(out)
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
@@ -125,4 +125,10 @@ class LLMEngine:
         if finish_reason is not None:
             out.finished, out.finish_reason, out.stop_reason = True, finish_reason, stop_reason
             del self._outputs[rid], self._detokenizers[rid]
-        return out
+        return _snapshot(out)
+
+
+def _snapshot(out: RequestOutput) -> RequestOutput:
+    """A copy the caller may keep while the engine goes on appending to the original."""
+    logprobs = None if out.logprobs is None else list(out.logprobs)
+    return replace(out, token_ids=list(out.token_ids), logprobs=logprobs)

@@ -39,7 +39,7 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     tied = model.lm_head is model.embed_tokens
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 if _IGNORED.match(name) or (tied and name == "lm_head.weight"):
                     continue
                 module_path, shard, param = _target(name)

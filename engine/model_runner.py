@@ -34,7 +34,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.ops = get_backend(self.device, config.kernel_backend)
         cfg = config.model
-        self.model = MODEL_CLASSES[cfg.architecture](cfg, self.tp, self.ops, self.dtype, self.device)
+        model_class = MODEL_CLASSES[cfg.architecture]
+        self.model = model_class(cfg, self.tp, self.ops, self.dtype, self.device)
         load_weights(self.model, cfg.path)
         self.model.eval()
         self.kv_caches = self._allocate_kv_caches()

@@ -16,9 +16,14 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SCALE_DTYPES = (torch.float16, torch.float32)
 
 
+# Triton fixes interpreter-or-compiled when a kernel is defined, so read the flag once, at the
+# import that precedes every kernel definition.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false")
+
+
 def interpreting() -> bool:
-    """True when Triton runs kernels on the CPU interpreter (tests): fixes the launch shape."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when the kernels run on Triton's CPU interpreter (tests only)."""
+    return _INTERPRETED
 
 
 def pow2(n: int, minimum: int = 1) -> int:
@@ -59,7 +64,9 @@ def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) ->
 
 def check_shape(name: str, t: torch.Tensor, shape: tuple[int | None, ...]) -> None:
     """`None` in `shape` matches any size."""
-    ok = t.dim() == len(shape) and all(w is None or w == s for s, w in zip(t.shape, shape))
+    ok = t.dim() == len(shape) and all(
+        w is None or w == s for s, w in zip(t.shape, shape, strict=True)
+    )
     if not ok:
         want = tuple("*" if w is None else w for w in shape)
         raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")

@@ -1,18 +1,35 @@
-"""Pick the kernel backend for a device: `triton` on CUDA, `torch` elsewhere."""
+"""Pick the kernel backend for a device: `triton` on CUDA, `torch` elsewhere.
+
+Both backends expose the same ops with the signatures of the `*_ref` functions; the Triton
+wrappers add keyword-only tuning knobs (e.g. `num_splits`) that callers may ignore. The int8
+ops take the scale tensors of `kernels.kv_quant` right after the caches.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from kernels.paged_decode_attention import paged_decode_attention_ref
-from kernels.paged_prefill_attention import paged_prefill_attention_ref
-from kernels.rms_norm import rms_norm_ref
-from kernels.rotary_embedding import rotary_embedding_ref
-from kernels.store_kv import store_kv_ref
+from kernels.checks import interpreting
+from kernels.pack_blocks import pack_blocks, pack_blocks_ref, unpack_blocks, unpack_blocks_ref
+from kernels.paged_decode_attention import (
+    paged_decode_attention,
+    paged_decode_attention_int8,
+    paged_decode_attention_int8_ref,
+    paged_decode_attention_ref,
+)
+from kernels.paged_prefill_attention import (
+    paged_prefill_attention,
+    paged_prefill_attention_int8,
+    paged_prefill_attention_int8_ref,
+    paged_prefill_attention_ref,
+)
+from kernels.rms_norm import rms_norm, rms_norm_ref
+from kernels.rotary_embedding import rotary_embedding, rotary_embedding_ref
+from kernels.store_kv import store_kv, store_kv_int8, store_kv_int8_ref, store_kv_ref
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +46,13 @@ class KernelBackend:
     paged_prefill_attention: Callable[..., torch.Tensor]
     rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary_embedding: Callable[..., None]
+    # int8 KV cache (kernels.kv_quant): the scale tensors follow the caches.
+    store_kv_int8: Callable[..., None]
+    paged_decode_attention_int8: Callable[..., torch.Tensor]
+    paged_prefill_attention_int8: Callable[..., torch.Tensor]
+    # KV transfer: one layer's blocks <-> one contiguous buffer (kernels.pack_blocks).
+    pack_blocks: Callable[..., torch.Tensor]
+    unpack_blocks: Callable[..., None]
 
 
 TORCH_BACKEND = KernelBackend(
@@ -38,15 +62,45 @@ TORCH_BACKEND = KernelBackend(
     paged_prefill_attention=paged_prefill_attention_ref,
     rms_norm=rms_norm_ref,
     rotary_embedding=rotary_embedding_ref,
+    store_kv_int8=store_kv_int8_ref,
+    paged_decode_attention_int8=paged_decode_attention_int8_ref,
+    paged_prefill_attention_int8=paged_prefill_attention_int8_ref,
+    pack_blocks=pack_blocks_ref,
+    unpack_blocks=unpack_blocks_ref,
+)
+
+TRITON_BACKEND = KernelBackend(
+    name="triton",
+    store_kv=store_kv,
+    paged_decode_attention=paged_decode_attention,
+    paged_prefill_attention=paged_prefill_attention,
+    rms_norm=rms_norm,
+    rotary_embedding=rotary_embedding,
+    store_kv_int8=store_kv_int8,
+    paged_decode_attention_int8=paged_decode_attention_int8,
+    paged_prefill_attention_int8=paged_prefill_attention_int8,
+    pack_blocks=pack_blocks,
+    unpack_blocks=unpack_blocks,
 )
 
 
 def get_backend(device: torch.device, name: str | None = None) -> KernelBackend:
-    """`name` None picks by device; an explicit name is honoured or refused with the reason."""
+    """`name` None picks by device; an explicit name is honoured or refused with the reason.
+
+    `triton` needs a CUDA device, or CPU tensors with TRITON_INTERPRET=1 set before the
+    kernels were imported (the kernel tests: ~500x slower than torch, never for serving).
+    """
+    device = torch.device(device)
     if name is None:
         name = "triton" if device.type == "cuda" else "torch"
     if name not in BACKENDS:
         raise ValueError(f"kernel backend must be one of {BACKENDS}, got {name!r}")
     if name == "torch":
         return TORCH_BACKEND
-    raise ValueError("kernel backend 'triton' is not available yet; use backend='torch'")
+    if device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"kernel backend 'triton' needs a CUDA device, got {device}; use backend='torch' "
+            "(or set TRITON_INTERPRET=1 before importing kernels, for tests only)"
+        )
+    logger.debug("kernel backend triton on %s", device)
+    return TRITON_BACKEND

@@ -89,7 +89,8 @@ def test_randomized_accounting_returns_to_total():
         if live and rng.random() < 0.4:
             kv.forget(live.pop(rng.randrange(len(live))))
             continue
-        tokens = shared[: rng.randrange(17)] + [rng.randrange(50) for _ in range(rng.randrange(1, 9))]
+        tail = [rng.randrange(50) for _ in range(rng.randrange(1, 9))]
+        tokens = shared[: rng.randrange(17)] + tail
         request = _request(str(i), tokens)
         hits = kv.find_cached_prefix(request)
         if kv.allocate(request, len(tokens) - 4 * len(hits), hits):

@@ -45,7 +45,8 @@ class FakeRunner:
 
     def slots(self, block_ids: tuple[int, ...], positions: range) -> np.ndarray:
         pos = np.asarray(positions)
-        return np.asarray(block_ids)[pos // self.block_size] * self.block_size + pos % self.block_size
+        blocks = np.asarray(block_ids)[pos // self.block_size]
+        return blocks * self.block_size + pos % self.block_size
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         sampled = {}
