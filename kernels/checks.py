@@ -26,6 +26,20 @@ def interpreting() -> bool:
     return _INTERPRETED
 
 
+def new_output(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """An output tensor for a kernel to fill; poisoned under the interpreter (tests).
+
+    NaN (or the dtype's minimum for integers) makes any element a kernel forgets to write
+    fail the comparison with the reference instead of passing on lucky zeroed memory.
+    """
+    if not _INTERPRETED:
+        return torch.empty(shape, dtype=dtype, device=device)
+    fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
+    return torch.full(shape, fill, dtype=dtype, device=device)
+
+
 def pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, triton.next_power_of_2(int(n)))
 

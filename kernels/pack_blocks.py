@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_device, check_dtype, check_shape, pow2
+from kernels.checks import check_device, check_dtype, check_shape, new_output, pow2
 
 TOKENS_PER_PROGRAM = 16
 
@@ -97,7 +97,7 @@ def pack_blocks(
     _check(k_cache, v_cache, block_ids, head_start, head_end)
     _, block_size, _, head_dim = k_cache.shape
     shape = (2, block_ids.shape[0], block_size, head_end - head_start, head_dim)
-    buffer = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
+    buffer = new_output(shape, k_cache.dtype, k_cache.device)
     _launch(buffer, k_cache, v_cache, block_ids, head_start, head_end, unpack=False)
     return buffer
 

@@ -25,6 +25,7 @@ from kernels.checks import (
     check_shape,
     dot_dtype,
     dot_precision,
+    new_output,
     num_programs_target,
     pow2,
 )
@@ -148,7 +149,7 @@ def _launch(q, k_cache, v_cache, scales, block_tables, context_lens, scale, max_
             num_splits) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    out = torch.empty_like(q)
+    out = new_output(q.shape, q.dtype, q.device)
     if num_seqs == 0:
         return out
     if max_context_len is None:
@@ -160,9 +161,9 @@ def _launch(q, k_cache, v_cache, scales, block_tables, context_lens, scale, max_
     num_splits = -(-max(max_context_len, 1) // tokens_per_split)
     split = num_splits > 1
     if split:
-        acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, device=q.device)
-        m = torch.empty(num_seqs, num_heads, num_splits, device=q.device)
-        l_sum = torch.empty_like(m)
+        acc = new_output((num_seqs, num_heads, num_splits, head_dim), torch.float32, q.device)
+        m = new_output((num_seqs, num_heads, num_splits), torch.float32, q.device)
+        l_sum = new_output((num_seqs, num_heads, num_splits), torch.float32, q.device)
     else:
         acc, m, l_sum = out, out, out  # m / l_sum unused without splits
     k_scale, v_scale = scales if scales is not None else (k_cache, v_cache)

@@ -26,6 +26,7 @@ from kernels.checks import (
     check_shape,
     dot_dtype,
     dot_precision,
+    new_output,
     pow2,
 )
 from kernels.paged_kv import prefill_attention_torch
@@ -127,7 +128,7 @@ def _launch(q, k_cache, v_cache, scales, block_tables, query_start_loc, context_
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
+    out = new_output(q.shape, q.dtype, q.device)
     num_seqs = context_lens.shape[0]
     if q.shape[0] == 0 or num_seqs == 0:
         return out

@@ -10,7 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import FLOAT_DTYPES, check_device, check_dtype, check_shape, pow2
+from kernels.checks import (
+    FLOAT_DTYPES,
+    check_device,
+    check_dtype,
+    check_shape,
+    new_output,
+    pow2,
+)
 
 
 @triton.jit
@@ -61,8 +68,8 @@ def rms_norm(
         if residual.stride(1) != 1:
             raise ValueError("residual must have stride 1 in its last dim; pass .contiguous()")
     num_tokens, hidden = x.shape
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    new_residual = torch.empty_like(x) if residual is not None else x
+    out = new_output(x.shape, torch.promote_types(weight.dtype, x.dtype), x.device)
+    new_residual = new_output(x.shape, x.dtype, x.device) if residual is not None else x
     res = residual if residual is not None else x
     if num_tokens == 0:
         return out, new_residual

