@@ -8,6 +8,8 @@ from dataclasses import replace
 from engine.config import EngineConfig, with_num_blocks
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
+from engine.models.parallel import TensorParallel
+from engine.plan_broadcast import publish_plan
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from engine.scheduler_output import EngineCoreOutput
@@ -16,14 +18,17 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    """On a tensor-parallel group this runs on rank 0; the others run `follow_plans`."""
+
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+        self.tp = tp or TensorParallel()
         self.config = replace(config, cache=with_num_blocks(config.cache, config.model))
         cache = self.config.cache
         self.kv_cache = KVCacheManager(
             cache.num_blocks, cache.block_size, cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(self.config.scheduler, self.kv_cache, config.model.max_model_len)
-        self.runner = ModelRunner(self.config)
+        self.runner = ModelRunner(self.config, self.tp)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -37,5 +42,12 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         plan = self.scheduler.schedule()
+        if self.tp.size > 1:
+            publish_plan(self.tp, plan)
         result = self.runner.execute(plan)
         return self.scheduler.update(plan, result)
+
+    def shutdown(self) -> None:
+        """Release the follower ranks of a tensor-parallel group."""
+        if self.tp.size > 1:
+            publish_plan(self.tp, None)

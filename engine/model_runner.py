@@ -70,6 +70,8 @@ class ModelRunner:
         if not sampling:
             return RunnerOutput({}, {})
         logits = self.model.compute_logits(hidden[sample_rows])  # [num_sampling, vocab]
+        if self.tp.rank != 0:  # followers took part in the gather; rank 0 samples
+            return RunnerOutput({}, {})
         batch = SamplingBatch.from_params(
             [e.sampling_params for e in sampling],
             [self._generator(e) for e in sampling],

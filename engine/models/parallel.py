@@ -11,17 +11,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """This rank's place in its TP group; `group` None only when size is 1."""
+    """This rank's place in its TP group; `group` is a torch ProcessGroup (None if size 1).
+
+    The group is used through its own methods, so it needs no global default world: a
+    decode group's ranks build it from a rendezvous store like any pairwise group.
+    """
 
     rank: int = 0
     size: int = 1
     group: Any = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size or (self.size > 1 and self.group is None):
+            raise ValueError(f"bad tensor-parallel placement: rank {self.rank} of {self.size}")
 
     def split(self, total: int, what: str) -> int:
         if total % self.size:
@@ -30,15 +37,20 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+            self.group.allreduce([x]).wait()
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        self.group.allgather([parts], [x.contiguous()]).wait()
         return torch.cat(parts, dim=-1)
+
+    def broadcast(self, x: torch.Tensor, root: int = 0) -> torch.Tensor:
+        if self.size > 1:
+            self.group.broadcast(x, root).wait()
+        return x
 
 
 class ColumnParallelLinear(torch.nn.Module):

@@ -1,0 +1,106 @@
+"""A tensor-parallel group of 2 real processes (gloo) gives the single-process tokens.
+
+Each rank holds half the heads, half the MLP and half the vocabulary; rank 0 schedules and
+broadcasts the plan, both execute it. The group is built from a rendezvous store with no
+global world, as decode groups are in production.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine.config import CacheConfig, EngineConfig, load_model_config
+from engine.engine_core import EngineCore
+from engine.models.parallel import TensorParallel
+from engine.plan_broadcast import decode_plan, encode_plan, follow_plans
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from tests.integration.hf_reference import mixed_prompts
+
+MAX_TOKENS = 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_config(model_dir) -> EngineConfig:
+    return EngineConfig(
+        model=load_model_config(model_dir, max_model_len=512),
+        cache=CacheConfig(block_size=16, num_blocks=128),
+        num_threads=1,
+    )
+
+
+def run_requests(core: EngineCore, prompts) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        core.add_request(Request(f"r{i}", tuple(prompt), params))
+    outputs = {f"r{i}": [] for i in range(len(prompts))}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+    return [outputs[f"r{i}"] for i in range(len(prompts))]
+
+
+def tp_rank_main(rank, size, port, model_dir, prompts, results):
+    try:
+        torch.set_num_threads(1)
+        store = dist.TCPStore("127.0.0.1", port, None, rank == 0, wait_for_workers=False)
+        timeout = datetime.timedelta(seconds=60)
+        group = dist.ProcessGroupGloo(dist.PrefixStore("tp", store), rank, size, timeout)
+        tp = TensorParallel(rank, size, group)
+        core = EngineCore(make_config(model_dir), tp)
+        if rank == 0:
+            results.put(("ok", run_requests(core, prompts)))
+            core.shutdown()
+        else:
+            follow_plans(core.runner, tp)
+    except BaseException:
+        results.put(("error", f"rank {rank}: {traceback.format_exc()}"))
+
+
+def test_plan_codec_round_trip():
+    from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+
+    plan = SchedulerOutput(
+        (
+            ScheduledRequest("a", (5,), 17, (3, 9), SamplingParams(temperature=0.5, stop=["x"])),
+            ScheduledRequest("b", (1, 2, 3), 0, (4,), None),
+        ),
+        ("gone",),
+    )
+    assert decode_plan(encode_plan(plan)) == plan
+
+
+@pytest.mark.parametrize("tp_size", [2])
+def test_tp_group_matches_single_process(tiny_llama_dir, tp_size):
+    prompts = [list(p) for p in mixed_prompts(49152, seed=3)[:6]]
+    expected = run_requests(EngineCore(make_config(tiny_llama_dir)), prompts)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=tp_rank_main, args=(r, tp_size, port, tiny_llama_dir, prompts, results))
+        for r in range(tp_size)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        status, payload = results.get(timeout=180)
+        assert status == "ok", payload
+        assert payload == expected
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
