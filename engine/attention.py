@@ -53,26 +53,30 @@ class Attention(torch.nn.Module):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, Hkv, D]
-        meta: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, ...],  # (k, v) [num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,  # (+ k_scale, v_scale [num_blocks, block_size, Hkv] if int8)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        k_cache, v_cache = kv_cache
-        self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        ops = self.ops
+        int8 = len(kv_cache) == 4
+        store = ops.store_kv_int8 if int8 else ops.store_kv
+        decode = ops.paged_decode_attention_int8 if int8 else ops.paged_decode_attention
+        prefill = ops.paged_prefill_attention_int8 if int8 else ops.paged_prefill_attention
+        store(k, v, *kv_cache, meta.slot_mapping)
         num_decode = meta.num_decode_tokens
         parts = []
         if meta.decode is not None:
             d = meta.decode
             parts.append(
-                self.ops.paged_decode_attention(
-                    q[:num_decode], k_cache, v_cache, d.block_tables, d.context_lens,
-                    self.scale, d.max_context_len,
+                decode(
+                    q[:num_decode], *kv_cache, d.block_tables, d.context_lens, self.scale,
+                    d.max_context_len,
                 )
             )
         if meta.prefill is not None:
             p = meta.prefill
             parts.append(
-                self.ops.paged_prefill_attention(
-                    q[num_decode:], k_cache, v_cache, p.block_tables, p.query_start_loc,
+                prefill(
+                    q[num_decode:], *kv_cache, p.block_tables, p.query_start_loc,
                     p.context_lens, self.scale, p.max_query_len, p.max_context_len,
                 )
             )

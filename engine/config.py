@@ -15,6 +15,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16", "float16")
+CACHE_DTYPES = ("auto", "int8")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -60,10 +61,14 @@ class ModelConfig:
                 f"(the model's max_position_embeddings), got {self.max_model_len}"
             )
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """K and V of every layer for one token."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _DTYPE_BYTES[self.dtype]
+    def kv_bytes_per_token(self, cache_dtype: str = "auto") -> int:
+        """K and V of every layer for one token; int8 adds one fp16 scale per token and head
+        (the format of kernels.kv_quant)."""
+        if cache_dtype == "int8":
+            per_head = self.head_dim + 2
+        else:
+            per_head = self.head_dim * _DTYPE_BYTES[self.dtype]
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
 
 def load_model_config(
@@ -136,6 +141,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int = 1 << 30
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    cache_dtype: str = "auto"  # "auto": the model's dtype; "int8": quantized, per-token scales
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -144,11 +150,13 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES}, got {self.cache_dtype!r}")
 
 
 def with_num_blocks(cache: CacheConfig, model: ModelConfig) -> CacheConfig:
     """Size the pool from the memory budget; refuse a pool that can't hold one full context."""
-    bytes_per_block = cache.block_size * model.kv_bytes_per_token
+    bytes_per_block = cache.block_size * model.kv_bytes_per_token(cache.cache_dtype)
     num_blocks = cache.num_blocks or cache.kv_cache_memory_bytes // bytes_per_block
     if num_blocks * cache.block_size < model.max_model_len:
         raise ValueError(

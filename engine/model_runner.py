@@ -18,6 +18,7 @@ from engine.models import MODEL_CLASSES
 from engine.models.parallel import TensorParallel
 from engine.sampler import Sampler, SamplingBatch, make_generator
 from engine.scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from kernels.kv_quant import allocate_kv_cache
 from kernels.registry import get_backend
 
 logger = logging.getLogger(__name__)
@@ -46,15 +47,16 @@ class ModelRunner:
             cfg.architecture, cfg.dtype, self.device, self.ops.name, torch.get_num_threads(),
         )
 
-    def _allocate_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        cfg, num_blocks = self.config.model, self.config.cache.num_blocks
-        assert num_blocks is not None, "size the cache with config.with_num_blocks first"
+    def _allocate_kv_caches(self) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer (k, v), or (k, v, k_scale, v_scale) for an int8 cache; zero-filled."""
+        cfg, cache = self.config.model, self.config.cache
+        assert cache.num_blocks is not None, "size the cache with config.with_num_blocks first"
         num_kv_heads = self.tp.split(cfg.num_kv_heads, "num_key_value_heads")
-        shape = (num_blocks, self.block_size, num_kv_heads, cfg.head_dim)
-        # zeros, not empty: masked-out slots still meet the attention matmul (0 * NaN = NaN)
+        dtype = torch.int8 if cache.cache_dtype == "int8" else self.dtype
         return [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            allocate_kv_cache(
+                cache.num_blocks, self.block_size, num_kv_heads, cfg.head_dim, dtype, self.device
+            )
             for _ in range(cfg.num_layers)
         ]
 

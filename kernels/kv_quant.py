@@ -51,9 +51,8 @@ def dequantize_kv_ref(
 def kv_cache_bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes one token occupies in one layer's K and V caches (scales included for int8)."""
     if dtype == torch.int8:
-        scale_bytes = torch.empty((), dtype=SCALE_DTYPE).element_size()
-        return 2 * num_kv_heads * (head_dim + scale_bytes)
-    return 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return 2 * num_kv_heads * (head_dim + SCALE_DTYPE.itemsize)
+    return 2 * num_kv_heads * head_dim * dtype.itemsize
 
 
 def allocate_kv_cache(

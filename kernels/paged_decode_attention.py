@@ -156,6 +156,7 @@ def _launch(q, k_cache, v_cache, scales, block_tables, context_lens, scale, max_
         max_context_len = int(context_lens.max())
     if num_splits is None:
         num_splits = _num_splits(num_seqs, num_kv_heads, max_context_len, q.device)
+    num_splits = max(1, num_splits)
     tokens_per_split = -(-max(max_context_len, 1) // num_splits)
     tokens_per_split = -(-tokens_per_split // BLOCK_N) * BLOCK_N
     num_splits = -(-max(max_context_len, 1) // tokens_per_split)
@@ -194,7 +195,7 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     context_lens: torch.Tensor,  # [num_seqs] int32, tokens in the cache incl. this one
     scale: float,
-    max_context_len: int | None = None,
+    max_context_len: int | None = None,  # >= every context_len; None: read it (a GPU sync)
     *,
     num_splits: int | None = None,  # None: enough to fill the GPU
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]

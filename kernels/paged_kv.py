@@ -5,11 +5,17 @@ Torch cannot read K/V through a block table inside a matmul, so the blocks are c
 
 - the copy goes through a 2-D view `[num_blocks, block_size * num_kv_heads * head_dim]`: one
   memcpy per block (an `index_select` on the 4-D cache is ~6x slower);
-- decode copies in chunks of about `CHUNK_BYTES`, sequences sorted by length and each chunk
-  padded only to its own longest, so SDPA reads the copy back from cache, not DRAM: the
-  gather costs little beyond SDPA's own read of K/V. The loop runs once per `CHUNK_BYTES` of
-  K/V (a whole batch of short contexts is one iteration), never once per sequence;
+- decode copies in chunks of about `CHUNK_BYTES` into scratch reused across chunks (a fresh
+  multi-MB tensor per chunk costs more in page faults than the copy), so SDPA reads the copy
+  back from cache, not DRAM. Sequences are sorted by length and each chunk is padded only to
+  its own longest. The loop runs once per `CHUNK_BYTES` of K/V: a batch of short contexts is
+  one iteration, and only a context longer than a chunk gets one to itself;
 - GQA by viewing the query heads that share a KV head as rows: K/V are never repeated.
+
+What remains over dense SDPA is the copy's own DRAM read, of blocks scattered over the cache:
+a 12 KB block (16 tokens of SmolLM2) read at a random place streams at about half the rate of
+a sequential read, so larger blocks or allocation-ordered block tables narrow the gap
+(`benchmarks/kernels.py` measures it).
 
 Cache slots past a sequence's length are read with zero weight here (the Triton kernels never
 read them), so they must hold finite values: allocate caches zero-filled.
@@ -20,8 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Gathered K+V per decode chunk: about one core's L2 per thread on the machines we run on.
-CHUNK_BYTES = 4 << 20
+# Gathered K+V per decode chunk: near one core's L2 (2 MiB on the dev machines), measured best.
+CHUNK_BYTES = 3 << 20
 
 Scales = tuple[torch.Tensor, torch.Tensor] | None  # (k_scale, v_scale) beside an int8 cache
 
@@ -31,18 +37,35 @@ def gather_blocks(
     scale: torch.Tensor | None,  # [num_blocks, block_size, num_kv_heads] for an int8 cache
     block_ids: torch.Tensor,  # [n] int64
     dtype: torch.dtype,
+    out: torch.Tensor | None = None,  # flat scratch in dtype, >= n blocks
+    raw: torch.Tensor | None = None,  # flat int8 scratch, >= n blocks (int8 caches)
 ) -> torch.Tensor:  # [n, block_size, num_kv_heads, head_dim] in dtype
-    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
-    if cache.is_contiguous():
-        rows = cache.view(num_blocks, -1).index_select(0, block_ids)
-        rows = rows.view(-1, block_size, num_kv_heads, head_dim)
-    else:
+    """Copy blocks out of the cache (dequantized for int8) into `out` when given.
+
+    Scratch is reused across chunks on purpose: a fresh multi-MB tensor per chunk costs more
+    in page faults than the copy itself.
+    """
+    num_blocks = cache.shape[0]
+    n = block_ids.shape[0]
+    shape = (n, *cache.shape[1:])
+    numel = n * cache[0].numel() if num_blocks else 0
+    if not cache.is_contiguous():
         rows = cache.index_select(0, block_ids)
+    else:
+        dst = raw if scale is not None else out
+        if dst is not None and dst.dtype == cache.dtype:
+            dst = dst[:numel].view(n, -1)
+            rows = torch.index_select(cache.view(num_blocks, -1), 0, block_ids, out=dst)
+        else:
+            rows = cache.view(num_blocks, -1).index_select(0, block_ids)
+        rows = rows.view(shape)
     if scale is None:
         return rows.to(dtype)
     s = scale.reshape(num_blocks, -1).index_select(0, block_ids)
-    s = s.view(-1, block_size, num_kv_heads, 1).to(torch.float32)
-    return (rows.to(torch.float32) * s).to(dtype)
+    s = s.view(*shape[:3], 1).to(torch.float32)  # dequantize in fp32, as kv_quant does
+    if out is None or dtype != torch.float32:
+        return (rows * s).to(dtype)
+    return torch.mul(rows, s, out=out[:numel].view(shape))
 
 
 def gather_kv(
@@ -69,7 +92,7 @@ def compute_dtype(q: torch.Tensor, cache: torch.Tensor) -> torch.dtype:
 
 
 def _decode_chunks(lens: list[int], block_size: int, bytes_per_token: int) -> list[tuple]:
-    """(first, last, num_blocks) per chunk of length-sorted sequences."""
+    """(first, last, num_blocks) per chunk of length-sorted (longest first) sequences."""
     chunks, first = [], 0
     while first < len(lens):
         num_blocks = -(-max(lens[first], 1) // block_size)
@@ -90,31 +113,38 @@ def decode_attention_torch(
     scale: float,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
+    if num_seqs == 0:
+        return torch.empty_like(q)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
     dtype = compute_dtype(q, k_cache)
     k_scale, v_scale = scales if scales is not None else (None, None)
     # Longest first: a chunk is padded to its first sequence's length only.
     lens, order = torch.sort(context_lens.long(), descending=True, stable=True)
     lens_list = lens.tolist()
-    qg = q.view(num_seqs, num_kv_heads, group, head_dim).to(dtype)
-    out = torch.empty(num_seqs, num_kv_heads, group, head_dim, dtype=dtype, device=q.device)
-    bytes_per_token = 2 * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
-    for first, last, num_blocks in _decode_chunks(lens_list, block_size, bytes_per_token):
-        seqs = order[first:last]
-        table = block_tables.index_select(0, seqs)[:, :num_blocks].reshape(-1).long()
-        n, length = last - first, num_blocks * block_size
-        k = gather_blocks(k_cache, k_scale, table, dtype).view(n, length, num_kv_heads, head_dim)
-        v = gather_blocks(v_cache, v_scale, table, dtype).view(n, length, num_kv_heads, head_dim)
+    in_order = lens_list == context_lens.tolist()  # then `order` is the identity
+    chunks = _decode_chunks(lens_list, block_size, 2 * k_cache[0, 0].numel() * dtype.itemsize)
+    table = block_tables if in_order else block_tables.index_select(0, order)
+    table = table[:, : chunks[0][2]].long()
+    qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).to(dtype)
+    qg = qg if in_order else qg.index_select(0, order)
+    out = torch.empty_like(qg)
+    scratch_len = max((last - first) * nb for first, last, nb in chunks) * k_cache[0].numel()
+    k_buf, v_buf = (torch.empty(scratch_len, dtype=dtype, device=q.device) for _ in range(2))
+    raw = None if scales is None else torch.empty(scratch_len, dtype=k_cache.dtype, device=q.device)
+    for first, last, num_blocks in chunks:
+        ids = table[first:last, :num_blocks].reshape(-1)
+        shape = (last - first, num_blocks * block_size, num_kv_heads, head_dim)
+        k = gather_blocks(k_cache, k_scale, ids, dtype, k_buf, raw).view(shape)
+        v = gather_blocks(v_cache, v_scale, ids, dtype, v_buf, raw).view(shape)
         mask = None
-        if lens_list[last - 1] < length:  # some sequence ends before the padded length
-            positions = torch.arange(length, device=q.device)
+        if lens_list[last - 1] < shape[1]:  # some sequence ends before the padded length
+            positions = torch.arange(shape[1], device=q.device)
             mask = (positions[None, :] < lens[first:last, None])[:, None, None, :]
-        o = F.scaled_dot_product_attention(
-            qg.index_select(0, seqs), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=mask, scale=scale,
+        out[first:last] = F.scaled_dot_product_attention(
+            qg[first:last], k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
         )
-        out.index_copy_(0, seqs, o)
+    if not in_order:
+        out = torch.empty_like(out).index_copy_(0, order, out)
     return out.view(num_seqs, num_heads, head_dim).to(q.dtype)
 
 

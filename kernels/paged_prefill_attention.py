@@ -160,7 +160,7 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, cumulative query lengths
     context_lens: torch.Tensor,  # [num_seqs] int32, tokens in the cache incl. the chunk
     scale: float,
-    max_query_len: int | None = None,
+    max_query_len: int | None = None,  # >= every query length; None: read it (a GPU sync)
     max_context_len: int | None = None,  # unused: the kernel reads lengths on the device
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     _check_prefill_args(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, False)

@@ -23,6 +23,11 @@ from kernels.checks import (
 )
 from kernels.kv_quant import MAX_SCALE, MIN_SCALE, QMAX, quantize_kv_ref
 
+# Kernels may read module globals only as constexprs.
+_QMAX = tl.constexpr(QMAX)
+_MIN_SCALE = tl.constexpr(MIN_SCALE)
+_MAX_SCALE = tl.constexpr(MAX_SCALE)
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -52,12 +57,12 @@ def _store_kv_kernel(
     v = tl.load(src_v, mask=mask, other=0.0).to(tl.float32)
     if QUANT:
         # Round the scale to fp16 first: dequantization must see the scale used here.
-        k_s = tl.clamp(tl.max(tl.abs(k), axis=1) / QMAX, MIN_SCALE, MAX_SCALE)
-        v_s = tl.clamp(tl.max(tl.abs(v), axis=1) / QMAX, MIN_SCALE, MAX_SCALE)
+        k_s = tl.clamp(tl.max(tl.abs(k), axis=1) / _QMAX, _MIN_SCALE, _MAX_SCALE)
+        v_s = tl.clamp(tl.max(tl.abs(v), axis=1) / _QMAX, _MIN_SCALE, _MAX_SCALE)
         k_s = k_s.to(tl.float16).to(tl.float32)
         v_s = v_s.to(tl.float16).to(tl.float32)
-        k = tl.clamp(tl.floor(k / k_s[:, None] + 0.5), -QMAX, QMAX)
-        v = tl.clamp(tl.floor(v / v_s[:, None] + 0.5), -QMAX, QMAX)
+        k = tl.clamp(tl.floor(k / k_s[:, None] + 0.5), -_QMAX, _QMAX)
+        v = tl.clamp(tl.floor(v / v_s[:, None] + 0.5), -_QMAX, _QMAX)
         s_off = block * stride_sb + offset * stride_st + heads * stride_sh
         s_mask = heads < NUM_KV_HEADS
         tl.store(k_scale_ptr + s_off, k_s.to(k_scale_ptr.dtype.element_ty), mask=s_mask)

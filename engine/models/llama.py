@@ -56,7 +56,7 @@ class LlamaAttention(torch.nn.Module):
         hidden: torch.Tensor,  # [T, hidden]
         positions: torch.Tensor,  # [T]
         rope: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, ...],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 Hkv) * D]
@@ -126,7 +126,7 @@ class LlamaForCausalLM(torch.nn.Module):
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[tuple[torch.Tensor, ...]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         hidden, residual = self.embed_tokens(input_ids), None

@@ -1,8 +1,9 @@
 """Kernel tests run the Triton kernels on CPU tensors through Triton's interpreter.
 
 Triton decides interpreted-or-compiled when a kernel is *defined*, so the flag is set here,
-before any test module imports `kernels`. When this suite shares a process with tests that
-import `kernels` first, set the flag in tests/conftest.py too (on machines without CUDA).
+before any test module imports `kernels`. When this suite shares a pytest process with tests
+that import `kernels` first (collection order), the flag must already be set by then: set it
+in tests/conftest.py too, on machines without CUDA.
 """
 
 from __future__ import annotations
@@ -16,11 +17,15 @@ import torch  # noqa: E402
 
 import kernels.checks  # noqa: E402
 
-if not kernels.checks.interpreting():
-    raise RuntimeError(
-        "kernels was imported before TRITON_INTERPRET=1 was set, so its Triton kernels were "
-        "defined for a GPU; set TRITON_INTERPRET=1 in the environment or tests/conftest.py"
-    )
+
+@pytest.fixture(autouse=True)
+def _interpreted_kernels():
+    if not kernels.checks.interpreting():
+        pytest.fail(
+            "kernels was imported before TRITON_INTERPRET=1 was set, so its Triton kernels "
+            "were defined for a GPU; set TRITON_INTERPRET=1 in the environment or in "
+            "tests/conftest.py before anything imports kernels"
+        )
 
 
 @pytest.fixture(autouse=True)

@@ -45,7 +45,7 @@ def test_dtype_and_kv_budget_are_checked(tmp_path):
     with pytest.raises(ValueError, match="dtype"):
         load_model_config(path, dtype="int4")
     config = load_model_config(path, max_model_len=4096)
-    per_block = 16 * config.kv_bytes_per_token
+    per_block = 16 * config.kv_bytes_per_token()
     with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
         with_num_blocks(CacheConfig(kv_cache_memory_bytes=per_block * 10), config)
     sized = with_num_blocks(CacheConfig(kv_cache_memory_bytes=per_block * 300), config)

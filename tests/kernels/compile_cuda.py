@@ -1,0 +1,125 @@
+"""Compile every Triton kernel, in each variant the wrappers launch, for an NVIDIA GPU.
+
+The interpreter runs kernels as numpy and lets through what a GPU compile refuses (a
+non-constexpr global, a dot shape the hardware lacks, a type clash in a branch), so this
+compiles each one to a cubin with Triton's bundled ptxas. No GPU needed:
+
+    python tests/kernels/compile_cuda.py [--arch 90]
+
+Run without TRITON_INTERPRET (test_cuda_compile.py does, in a subprocess).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kernels.pack_blocks import _pack_blocks_kernel  # noqa: E402
+from kernels.paged_decode_attention import (  # noqa: E402
+    _paged_decode_attention_kernel,
+    _paged_decode_merge_kernel,
+)
+from kernels.paged_prefill_attention import _paged_prefill_attention_kernel  # noqa: E402
+from kernels.rms_norm import _rms_norm_kernel  # noqa: E402
+from kernels.rotary_embedding import _rotary_embedding_kernel  # noqa: E402
+from kernels.store_kv import _store_kv_kernel  # noqa: E402
+
+FLOAT_ARGS = {"qk_scale", "eps"}
+
+
+def compile_kernel(kernel, pointers: dict[str, str], constexprs: dict, arch: int) -> None:
+    """`pointers` maps each pointer arg to its element type; other args are i32 or fp32."""
+    signature, const_values = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            const_values[(i,)] = constexprs[name]
+        elif name in pointers:
+            signature[name] = "*" + pointers[name]
+        else:
+            signature[name] = "fp32" if name in FLOAT_ARGS else "i32"
+    src = ASTSource(kernel, signature, constexprs=const_values)
+    triton.compile(src, target=GPUTarget("cuda", arch, 32))
+
+
+def _attention_pointers(q: str, cache: str, split: bool, names: list[str]) -> dict[str, str]:
+    scale = "fp16" if cache == "i8" else cache
+    ptrs = {"q_ptr": q, "k_cache_ptr": cache, "v_cache_ptr": cache, "k_scale_ptr": scale,
+            "v_scale_ptr": scale, "block_tables_ptr": "i32", "context_lens_ptr": "i32",
+            "query_start_loc_ptr": "i32", "out_ptr": "fp32" if split else q,
+            "m_ptr": "fp32" if split else q, "l_ptr": "fp32" if split else q}
+    return {k: v for k, v in ptrs.items() if k in names}
+
+
+def variants():
+    """(label, kernel, pointer types, constexprs) for each variant the wrappers launch."""
+    decode_names = _paged_decode_attention_kernel.arg_names
+    prefill_names = _paged_prefill_attention_kernel.arg_names
+    for q, cache, dot in (("fp16", "fp16", tl.float16), ("bf16", "bf16", tl.bfloat16),
+                          ("fp32", "fp32", tl.float32), ("bf16", "i8", tl.bfloat16)):
+        prec = "ieee" if dot == tl.float32 else "tf32"
+        quant = cache == "i8"
+        for group, split in ((8, True), (1, False)):
+            yield (f"decode {cache} group={group} split={split}", _paged_decode_attention_kernel,
+                   _attention_pointers(q, cache, split, decode_names),
+                   dict(GROUP=group, GROUP_PAD=16, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16,
+                        BLOCK_N=64, QUANT=quant, SPLIT=split, DOT=dot, PRECISION=prec))
+        yield (f"prefill {cache}", _paged_prefill_attention_kernel,
+               _attention_pointers(q, cache, False, prefill_names),
+               dict(GROUP=3, HEAD_DIM=64, DIM_PAD=64, BLOCK_SIZE=32, BLOCK_M=64, BLOCK_N=64,
+                    QUANT=quant, DOT=dot, PRECISION=prec))
+    yield ("decode merge", _paged_decode_merge_kernel,
+           {"out_ptr": "bf16", "acc_ptr": "fp32", "m_ptr": "fp32", "l_ptr": "fp32"},
+           dict(HEAD_DIM=80, DIM_PAD=128, SPLITS_PAD=32))
+    for quant, cache in ((False, "bf16"), (True, "i8")):
+        yield (f"store_kv {cache}", _store_kv_kernel,
+               {"key_ptr": "bf16", "value_ptr": "bf16", "k_cache_ptr": cache,
+                "v_cache_ptr": cache, "k_scale_ptr": "fp16", "v_scale_ptr": "fp16",
+                "slot_mapping_ptr": "i64"},
+               dict(NUM_KV_HEADS=3, HEAD_DIM=64, BLOCK_SIZE=16, HEADS_PAD=4, DIM_PAD=64,
+                    QUANT=quant))
+    for residual in (False, True):
+        yield (f"rms_norm residual={residual}", _rms_norm_kernel,
+               {"out_ptr": "bf16", "new_residual_ptr": "bf16", "x_ptr": "bf16",
+                "residual_ptr": "bf16", "weight_ptr": "bf16"},
+               dict(HIDDEN=576, BLOCK=1024, HAS_RESIDUAL=residual))
+    yield ("rotary", _rotary_embedding_kernel,
+           {"q_ptr": "bf16", "k_ptr": "bf16", "positions_ptr": "i64", "cos_ptr": "fp32",
+            "sin_ptr": "fp32"},
+           dict(NUM_HEADS=9, NUM_KV_HEADS=3, HEADS_PAD=16, KV_HEADS_PAD=4, HALF=32,
+                HALF_PAD=32))
+    for unpack in (False, True):
+        yield (f"pack_blocks unpack={unpack}", _pack_blocks_kernel,
+               {"buffer_ptr": "fp16", "k_cache_ptr": "fp16", "v_cache_ptr": "fp16",
+                "block_ids_ptr": "i64"},
+               dict(BLOCK_SIZE=16, NUM_HEADS=4, HEAD_DIM=128, TOKENS=16, COLS_PAD=512,
+                    UNPACK=unpack))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--arch", type=int, default=90, help="SM version, e.g. 80 or 90")
+    arch = parser.parse_args().arch
+    failed = 0
+    for label, kernel, pointers, constexprs in variants():
+        start = time.perf_counter()
+        try:
+            compile_kernel(kernel, pointers, constexprs, arch)
+            print(f"ok    sm_{arch} {label} ({time.perf_counter() - start:.1f}s)")
+        except Exception as e:  # report every failure, not just the first
+            failed += 1
+            print(f"FAIL  sm_{arch} {label}: {type(e).__name__}: {e}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

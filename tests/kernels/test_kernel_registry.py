@@ -1,0 +1,39 @@
+"""The backend registry: selection by device, and one signature per op across backends."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+
+from kernels.checks import new_output
+from kernels.registry import TORCH_BACKEND, TRITON_BACKEND, get_backend
+
+
+def test_cpu_defaults_to_torch_and_names_are_checked():
+    assert get_backend(torch.device("cpu")).name == "torch"
+    assert get_backend(torch.device("cpu"), "torch") is TORCH_BACKEND
+    with pytest.raises(ValueError, match="must be one of"):
+        get_backend(torch.device("cpu"), "cuda-graphs")
+
+
+def test_triton_on_cpu_only_under_the_interpreter():
+    assert get_backend(torch.device("cpu"), "triton") is TRITON_BACKEND
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(TORCH_BACKEND)][1:])
+def test_backends_share_signatures(field):
+    """Triton wrappers take the reference's parameters, plus keyword-only tuning knobs."""
+    ref = inspect.signature(getattr(TORCH_BACKEND, field)).parameters
+    ours = inspect.signature(getattr(TRITON_BACKEND, field)).parameters
+    shared = [p for p in ours.values() if p.kind != inspect.Parameter.KEYWORD_ONLY]
+    assert [p.name for p in shared] == list(ref)
+    assert [p.default for p in shared] == [p.default for p in ref.values()]
+
+
+def test_outputs_are_poisoned_under_the_interpreter():
+    """What makes an element a kernel forgot to write fail its test."""
+    assert torch.isnan(new_output((3, 4), torch.float16, torch.device("cpu"))).all()
+    assert (new_output((5,), torch.int8, torch.device("cpu")) == -128).all()
