@@ -7,6 +7,7 @@ no other state between steps (the plan carries tokens, positions and block table
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -61,13 +62,16 @@ class ModelRunner:
         ]
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+    def execute(
+        self, plan: SchedulerOutput, layer_hook: Callable[[int], None] | None = None
+    ) -> RunnerOutput:
+        """Run one step. `layer_hook(i)` is called as soon as layer i's K/V are stored."""
         for request_id in plan.finished_request_ids:
             self._generators.pop(request_id, None)
         if not plan.requests:
             return RunnerOutput({}, {})
         input_ids, positions, meta, sample_rows = self._prepare(plan)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, layer_hook)  # [T, H]
         sampling = [e for e in plan.requests if e.sampling_params is not None]
         if not sampling:
             return RunnerOutput({}, {})

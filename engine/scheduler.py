@@ -21,6 +21,7 @@ from engine.scheduler_output import (
     RunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
+    TokenLogprobs,
 )
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.remote: dict[str, Request] = {}  # blocks reserved, prompt KV arriving
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self._finished_ids: list[str] = []
@@ -63,10 +65,39 @@ class Scheduler:
             return False
         if request in self.running:
             self.running.remove(request)
+        elif request_id in self.remote:
+            del self.remote[request_id]
         else:
             self.waiting.remove(request)
         self._finish(request, status)
         return True
+
+    def reserve_remote(self, request: Request) -> list[int] | None:
+        """Decode side: hold blocks for a prompt whose KV another worker computes.
+
+        Admission is memory reservation: None (nothing held) when the pool or
+        `max_num_seqs` cannot take the request now.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in flight")
+        if len(self.running) + len(self.remote) >= self.config.max_num_seqs:
+            return None
+        if not self.kv_cache.allocate(request, request.num_prompt_tokens):
+            return None
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.request_id] = request
+        self.remote[request.request_id] = request
+        return self.kv_cache.block_ids(request.request_id)
+
+    def admit_remote(self, request_id: str, first_token: int) -> EngineCoreOutput:
+        """The prompt's KV has landed: run the request from its first token on."""
+        request = self.remote.pop(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_cached_tokens = max(request.num_cached_tokens, 0)
+        request.status = RequestStatus.RUNNING
+        self.kv_cache.cache_computed_blocks(request)
+        self.running.append(request)
+        return self._append_token(request, first_token, None)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -118,25 +149,29 @@ class Scheduler:
             self.stats.num_computed_tokens += entry.num_tokens
             self.kv_cache.cache_computed_blocks(request)
             token_id = result.sampled_token_ids.get(entry.request_id)
-            if token_id is None:
-                continue
-            request.output_token_ids.append(token_id)
-            status = request.stop_status(token_id, self.max_model_len)
-            logprobs = result.logprobs.get(entry.request_id)
-            outputs.append(
-                EngineCoreOutput(
-                    request_id=request.request_id,
-                    new_token_ids=(token_id,),
-                    new_logprobs=(logprobs,) if logprobs else (),
-                    finish_reason=status.finish_reason if status else None,
-                    stop_reason=request.stop_reason if status else None,
-                    num_cached_tokens=request.num_cached_tokens,
-                )
-            )
-            if status is not None:
-                self.running.remove(request)
-                self._finish(request, status)
+            if token_id is not None:
+                logprobs = result.logprobs.get(entry.request_id)
+                outputs.append(self._append_token(request, token_id, logprobs))
         return outputs
+
+    def _append_token(
+        self, request: Request, token_id: int, logprobs: TokenLogprobs | None
+    ) -> EngineCoreOutput:
+        """Append a sampled token to a running request; finish it if that ends it."""
+        request.output_token_ids.append(token_id)
+        status = request.stop_status(token_id, self.max_model_len)
+        out = EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=(token_id,),
+            new_logprobs=(logprobs,) if logprobs else (),
+            finish_reason=status.finish_reason if status else None,
+            stop_reason=request.stop_reason if status else None,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+        if status is not None:
+            self.running.remove(request)
+            self._finish(request, status)
+        return out
 
     def _plan(self, scheduled: list[tuple[Request, int]]) -> SchedulerOutput:
         entries = []

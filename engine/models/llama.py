@@ -7,6 +7,8 @@ embeddings. Tokens of all sequences in a step are one flat batch: [num_tokens, h
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -128,10 +130,14 @@ class LlamaForCausalLM(torch.nn.Module):
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[tuple[torch.Tensor, ...]],
         meta: AttentionMetadata,
+        layer_hook: Callable[[int], None] | None = None,
     ) -> torch.Tensor:  # [T, hidden]
+        """`layer_hook(i)` runs once layer i's K/V are in the cache (KV push overlaps compute)."""
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             hidden, residual = layer(hidden, residual, positions, self.rope, kv_cache, meta)
+            if layer_hook is not None:
+                layer_hook(i)
         return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]

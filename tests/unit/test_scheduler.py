@@ -129,3 +129,30 @@ def test_decodes_come_first_and_chunks_respect_budget():
     plan = scheduler.schedule()
     assert [(e.request_id, e.num_tokens) for e in plan.requests] == [("short", 1), ("long", 9)]
     assert plan.requests[1].sampling_params is None  # mid-prompt chunk samples nothing
+
+
+def test_remote_prefill_reservation_admission_and_refusal():
+    """Decode side: blocks reserved up front, KV written by someone else, then admitted."""
+    kv = KVCacheManager(8, 4, True)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), kv, 64)
+    runner = FakeRunner(8, 4)
+    prompt = [11, 12, 13, 14, 15, 16]
+    request = Request("remote", tuple(prompt), SamplingParams(max_tokens=5), (EOS,))
+    blocks = scheduler.reserve_remote(request)
+    assert len(blocks) == 2 and kv.num_free_blocks == 6
+    runner.cache[runner.slots(tuple(blocks), range(len(prompt)))] = prompt  # "the transfer"
+    assert scheduler.schedule().requests == ()  # not runnable until admitted
+    first = next_token(prompt)
+    outputs = [scheduler.admit_remote("remote", first)]
+    while scheduler.has_unfinished_requests():
+        plan = scheduler.schedule()
+        outputs += scheduler.update(plan, runner.execute(plan))
+    tokens = [t for out in outputs for t in out.new_token_ids]
+    assert tokens == reference(prompt, 5, 64)
+    too_big = Request("big", tuple(range(40)), SamplingParams(), (EOS,))
+    assert scheduler.reserve_remote(too_big) is None  # 10 blocks > 8: refused, nothing held
+    assert kv.num_free_blocks == 8 and "big" not in scheduler.requests
+    again = Request("again", tuple(prompt), SamplingParams(), (EOS,))
+    assert scheduler.reserve_remote(again) is not None
+    assert scheduler.finish_request("again", RequestStatus.FINISHED_ABORTED)
+    assert kv.num_free_blocks == 8
