@@ -24,6 +24,8 @@ outside the workload, then is timed from submitting the first request to the las
 (model load and cache allocation excluded for all three). Peak RSS: the kernel's VmHWM of
 that child, reset through /proc/self/clear_refs just before the timed phase, so it is the
 resident high-water mark of the generation phase (model weights, KV cache, activations).
+"cpu s" is the child's user+system CPU time over the same phase: on a shared machine it is
+steadier than wall time (output tok/s uses wall time).
 
     PYTHONPATH=. .venv/bin/python benchmarks/offline_throughput.py --threads 2 --json out.json
 """
@@ -36,11 +38,17 @@ import json
 import multiprocessing
 import os
 import resource
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.workloads import BenchRequest, sharegpt_like
+# Run as a script, sys.path[0] is benchmarks/, whose kernels.py would shadow the `kernels`
+# package: put the repository root there instead (spawned children inherit sys.path).
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+from benchmarks.workloads import BenchRequest, sharegpt_like  # noqa: E402
 
 PDSERVE, HF_GENERATE, HF_BATCH = "pdserve", "hf generate", "hf generate_batch"
 BLOCK_SIZE = 16
@@ -58,6 +66,13 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def _cpu_s() -> float:
+    """User + system CPU seconds of this process, all threads (less noisy than wall time on
+    a shared machine, though spinning OpenMP threads count too)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _reset_peak_rss() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -71,17 +86,20 @@ def _run_pdserve(reqs: list[BenchRequest], warm: list[BenchRequest], opts: dict)
     from pdserve import LLM, SamplingParams
 
     llm = LLM(
-        model=opts["model"], dtype="float32", block_size=BLOCK_SIZE,
-        max_model_len=opts["max_model_len"], kv_cache_memory_bytes=opts["kv_cache_bytes"],
-        max_num_seqs=opts["max_num_seqs"], max_num_batched_tokens=opts["max_batched_tokens"],
+        model=opts["model"],
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        max_model_len=opts["max_model_len"],
+        kv_cache_memory_bytes=opts["kv_cache_bytes"],
+        max_num_seqs=opts["max_num_seqs"],
+        max_num_batched_tokens=opts["max_batched_tokens"],
         num_threads=opts["threads"],
     )
 
     def run(batch: list[BenchRequest]) -> tuple[list[list[int]], int, float]:
         start = time.perf_counter()
         params = [
-            SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
-            for r in batch
+            SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in batch
         ]
         outs = llm.generate([r.prompt_token_ids for r in batch], params)
         elapsed = time.perf_counter() - start
@@ -129,7 +147,9 @@ def _run_hf_generate(reqs: list[BenchRequest], warm: list[BenchRequest], opts: d
                 mask[row, width - len(p) :] = 1
             max_new = max(batch[i].output_len for i in idx)
             cfg = GenerationConfig(
-                do_sample=False, max_new_tokens=max_new, eos_token_id=None,
+                do_sample=False,
+                max_new_tokens=max_new,
+                eos_token_id=None,
                 pad_token_id=PAD_TOKEN_ID,
             )
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
@@ -143,7 +163,6 @@ def _run_hf_generate(reqs: list[BenchRequest], warm: list[BenchRequest], opts: d
 
 
 def _run_hf_batch(reqs: list[BenchRequest], warm: list[BenchRequest], opts: dict) -> Any:
-    import torch
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -156,7 +175,7 @@ def _run_hf_batch(reqs: list[BenchRequest], warm: list[BenchRequest], opts: dict
         max_batch_tokens=opts["max_batched_tokens"],
     )
 
-    @torch.inference_mode()
+    # no inference_mode here: the manager's thread updates tensors made in this one
     def run(batch: list[BenchRequest]) -> tuple[list[list[int]], int, float]:
         with model.continuous_batching_context_manager(
             generation_config=gen_cfg, continuous_batching_config=cb_cfg, block=True, timeout=30
@@ -166,12 +185,15 @@ def _run_hf_batch(reqs: list[BenchRequest], warm: list[BenchRequest], opts: dict
             start = time.perf_counter()
             add = manager.add_request
             ids = [
-                add(r.prompt_token_ids, max_new_tokens=r.output_len, eos_token_id=-1)
-                for r in batch
+                add(r.prompt_token_ids, max_new_tokens=r.output_len, eos_token_id=-1) for r in batch
             ]
+            if None in ids:
+                raise RuntimeError("generate_batch's manager refused a request")
             done: dict[str, list[int]] = {}
             while len(done) < len(ids):
                 out = manager.get_result(timeout=1)
+                if out is not None and out.error is not None:
+                    raise RuntimeError(f"generate_batch failed a request: {out.error}")
                 if out is not None and out.is_finished():
                     done[out.request_id] = list(out.generated_tokens)
                 elif out is None and not manager.is_running():
@@ -195,7 +217,9 @@ def run_phase(system: str, reqs: list[BenchRequest], warm: list[BenchRequest], o
     run(warm)
     rss_load = _rss_kib("VmRSS")
     phase_peak = _reset_peak_rss()
+    cpu_start = _cpu_s()
     tokens, computed, wall_s = run(reqs)
+    cpu_s = _cpu_s() - cpu_start
     peak = _rss_kib("VmHWM") if phase_peak else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {
         "system": system,
@@ -204,6 +228,7 @@ def run_phase(system: str, reqs: list[BenchRequest], warm: list[BenchRequest], o
         "computed_tokens": computed,
         "short_requests": sum(len(t) < r.output_len for t, r in zip(tokens, reqs, strict=True)),
         "wall_s": wall_s,
+        "cpu_s": cpu_s,
         "rss_after_load_mib": rss_load / 1024,
         "peak_rss_mib": peak / 1024,
         "peak_rss_kind": "phase VmHWM" if phase_peak else "process ru_maxrss",
@@ -235,7 +260,7 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 def _print_table(results: list[dict]) -> None:
     by = {r["system"]: r for r in results}
     head = (
-        f"{'system':<18} {'reqs':>5} {'out tok':>8} {'computed':>9} {'wall s':>8} "
+        f"{'system':<18} {'reqs':>5} {'out tok':>8} {'computed':>9} {'wall s':>8} {'cpu s':>7} "
         f"{'out tok/s':>10} {'vs pdserve':>10} {'vs generate':>11} {'RSS load':>9} {'peak RSS':>9}"
     )
     print(head + "\n" + "-" * len(head))
@@ -248,7 +273,8 @@ def _print_table(results: list[dict]) -> None:
             vs.append(f"{tps / ref_tps:.2f}x" if ref_tps else "-")
         print(
             f"{r['system']:<18} {r['requests']:>5} {r['output_tokens']:>8} "
-            f"{r['computed_tokens']:>9} {r['wall_s']:>8.2f} {tps:>10.1f} {vs[0]:>10} "
+            f"{r['computed_tokens']:>9} {r['wall_s']:>8.2f} {r['cpu_s']:>7.1f} {tps:>10.1f} "
+            f"{vs[0]:>10} "
             f"{vs[1]:>11} {r['rss_after_load_mib']:>8.0f}M {r['peak_rss_mib']:>8.0f}M"
         )
 
@@ -261,13 +287,21 @@ def _options(args: argparse.Namespace, reqs: list[BenchRequest]) -> dict:
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     longest = max(len(r.prompt_token_ids) + r.output_len for r in reqs)
     return {
-        "model": "smollm2-135m", "model_path": str(path), "vocab_size": hf["vocab_size"],
-        "threads": args.threads, "hf_batch_size": args.hf_batch_size, "hf_sort": args.hf_sort,
+        "model": "smollm2-135m",
+        "model_path": str(path),
+        "vocab_size": hf["vocab_size"],
+        "threads": args.threads,
+        "hf_batch_size": args.hf_batch_size,
+        "hf_sort": args.hf_sort,
         "max_model_len": -(-longest // BLOCK_SIZE) * BLOCK_SIZE,
         "kv_cache_bytes": int(args.kv_cache_gib * (1 << 30)),
-        "kv_bytes_per_token": 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"]
-        * head_dim * 4,
-        "max_num_seqs": args.max_num_seqs, "max_batched_tokens": args.max_num_batched_tokens,
+        "kv_bytes_per_token": 2
+        * hf["num_hidden_layers"]
+        * hf["num_key_value_heads"]
+        * head_dim
+        * 4,
+        "max_num_seqs": args.max_num_seqs,
+        "max_batched_tokens": args.max_num_batched_tokens,
     }
 
 
@@ -315,6 +349,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"(generate: batch of {args.hf_batch_size} runs to its longest member"
         f"{', sorted by length' if args.hf_sort else ', arrival order'}). "
         f"peak RSS = {results[0]['peak_rss_kind']} of each child during the timed phase; "
+        f"cpu s = its user+sys CPU time then; "
         f"threads used: {', '.join(str(r['threads']) for r in results)}."
     )
     agreement = {}
