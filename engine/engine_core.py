@@ -9,7 +9,7 @@ from engine.config import EngineConfig, with_num_blocks
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.models.parallel import TensorParallel
-from engine.plan_broadcast import publish_plan
+from engine.plan_broadcast import publish, publish_plan
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from engine.scheduler_output import EngineCoreOutput
@@ -50,4 +50,4 @@ class EngineCore:
     def shutdown(self) -> None:
         """Release the follower ranks of a tensor-parallel group."""
         if self.tp.size > 1:
-            publish_plan(self.tp, None)
+            publish(self.tp, "stop")

@@ -1,7 +1,8 @@
-"""Rank 0 of a tensor-parallel group schedules; every rank executes the same plan.
+"""Rank 0 of a tensor-parallel group decides; every rank executes the same messages.
 
-The plan travels as JSON bytes over the TP group's broadcast (no pickle): a length, then
-the bytes. A zero length tells followers to stop.
+Messages travel as JSON bytes over the TP group's broadcast (no pickle): a length, then the
+bytes. A message is a kind and a body: "plan" (the step to execute), "stop", or a kind the
+follower's owner handles (e.g. the decode worker's "expect" / "admit" / "cancel").
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -18,8 +21,10 @@ from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
+Handler = Callable[[dict[str, Any]], None]
 
-def encode_plan(plan: SchedulerOutput) -> bytes:
+
+def encode_plan(plan: SchedulerOutput) -> dict[str, Any]:
     requests = [
         {
             "id": e.request_id,
@@ -30,12 +35,10 @@ def encode_plan(plan: SchedulerOutput) -> bytes:
         }
         for e in plan.requests
     ]
-    body = {"requests": requests, "finished": list(plan.finished_request_ids)}
-    return json.dumps(body, separators=(",", ":")).encode()
+    return {"requests": requests, "finished": list(plan.finished_request_ids)}
 
 
-def decode_plan(data: bytes) -> SchedulerOutput:
-    body = json.loads(data)
+def decode_plan(body: dict[str, Any]) -> SchedulerOutput:
     requests = tuple(
         ScheduledRequest(
             request_id=str(r["id"]),
@@ -49,25 +52,34 @@ def decode_plan(data: bytes) -> SchedulerOutput:
     return SchedulerOutput(requests, tuple(str(i) for i in body["finished"]))
 
 
-def publish_plan(tp: TensorParallel, plan: SchedulerOutput | None) -> None:
-    """Rank 0: send the step's plan (None: tell followers to stop)."""
-    data = encode_plan(plan) if plan is not None else b""
+def publish(tp: TensorParallel, kind: str, body: dict[str, Any] | None = None) -> None:
+    """Rank 0: send one message to every other rank of the group."""
+    data = json.dumps({"kind": kind, "body": body or {}}, separators=(",", ":")).encode()
     tp.broadcast(torch.tensor([len(data)], dtype=torch.int64))
-    if data:
-        tp.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    tp.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
 
-def receive_plan(tp: TensorParallel) -> SchedulerOutput | None:
-    """Other ranks: the next plan, or None when rank 0 is shutting the group down."""
-    size = tp.broadcast(torch.zeros(1, dtype=torch.int64))
-    if int(size) == 0:
-        return None
-    data = tp.broadcast(torch.empty(int(size), dtype=torch.uint8))
-    return decode_plan(data.numpy().tobytes())
+def receive(tp: TensorParallel) -> tuple[str, dict[str, Any]]:
+    """Other ranks: the next message from rank 0."""
+    size = int(tp.broadcast(torch.zeros(1, dtype=torch.int64)))
+    data = tp.broadcast(torch.empty(size, dtype=torch.uint8))
+    message = json.loads(data.numpy().tobytes())
+    return message["kind"], message["body"]
 
 
-def follow_plans(runner, tp: TensorParallel) -> None:
-    """A follower rank's whole life: execute every plan rank 0 publishes, until told to stop."""
-    while (plan := receive_plan(tp)) is not None:
-        runner.execute(plan)
+def publish_plan(tp: TensorParallel, plan: SchedulerOutput) -> None:
+    publish(tp, "plan", encode_plan(plan))
+
+
+def follow(runner, tp: TensorParallel, handlers: dict[str, Handler] | None = None) -> None:
+    """A follower rank's whole life: run every plan and message rank 0 sends, until "stop"."""
+    handlers = handlers or {}
+    while True:
+        kind, body = receive(tp)
+        if kind == "stop":
+            break
+        if kind == "plan":
+            runner.execute(decode_plan(body))
+        else:
+            handlers[kind](body)
     logger.info("TP rank %d: stopped by rank 0", tp.rank)

@@ -8,6 +8,7 @@ global world, as decode groups are in production.
 from __future__ import annotations
 
 import datetime
+import json
 import multiprocessing as mp
 import socket
 import traceback
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from engine.config import CacheConfig, EngineConfig, load_model_config
 from engine.engine_core import EngineCore
 from engine.models.parallel import TensorParallel
-from engine.plan_broadcast import decode_plan, encode_plan, follow_plans
+from engine.plan_broadcast import decode_plan, encode_plan, follow
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from tests.integration.hf_reference import mixed_prompts
@@ -64,7 +65,7 @@ def tp_rank_main(rank, size, port, model_dir, prompts, results):
             results.put(("ok", run_requests(core, prompts)))
             core.shutdown()
         else:
-            follow_plans(core.runner, tp)
+            follow(core.runner, tp)
     except BaseException:
         results.put(("error", f"rank {rank}: {traceback.format_exc()}"))
 
@@ -79,7 +80,7 @@ def test_plan_codec_round_trip():
         ),
         ("gone",),
     )
-    assert decode_plan(encode_plan(plan)) == plan
+    assert decode_plan(json.loads(json.dumps(encode_plan(plan)))) == plan
 
 
 @pytest.mark.parametrize("tp_size", [2])

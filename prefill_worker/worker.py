@@ -1,0 +1,162 @@
+"""PrefillWorker: runs prompts in chunked batches and pushes their KV into decode blocks.
+
+Each request runs as a one-token generation on the local engine (prefix cache included: only
+uncached tokens are computed, yet every block the decode side reserved is sent). In the step
+where a request's last chunk runs, its blocks are pushed layer by layer while later layers
+compute: all requests of the step going to one decode rank travel as one message per layer.
+The first token is the result. Blocks are released (kept in the prefix cache) only after
+their bytes have left. All engine work happens on the worker's loop thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from kvtransfer.connector import Connector
+from kvtransfer.descriptor import TransferDescriptor
+from kvtransfer.errors import ErrorCode, TransferError
+from kvtransfer.layout import KVLayout
+from kvtransfer.sender import KVSender, PushHandle, PushPlan
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.005
+
+
+class PrefillWorker:
+    def __init__(self, config: EngineConfig, connector: Connector, model_name: str) -> None:
+        self.core = EngineCore(config)
+        self.config = self.core.config
+        self.layout = KVLayout.from_model_config(
+            self.config.model, self.config.cache.block_size, model_name
+        )
+        kv_caches = [kv[:2] for kv in self.core.runner.kv_caches]
+        self.sender = KVSender(self.layout, connector, 1, kv_caches)
+        self.endpoint = connector.source
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._descriptors: dict[str, TransferDescriptor] = {}
+        self._results: dict[str, Future[int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="prefill-loop", daemon=True)
+        self._thread.start()
+
+    def prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        descriptor: TransferDescriptor,
+    ) -> Future[int]:
+        """Queue a prompt; the future gives its first token once its KV has been pushed."""
+        descriptor.check_layout(self.layout)
+        num_blocks = -(-len(prompt_token_ids) // self.layout.block_size)
+        if descriptor.num_blocks != num_blocks:
+            raise ValueError(
+                f"descriptor reserves {descriptor.num_blocks} blocks, the prompt needs {num_blocks}"
+            )
+        result: Future[int] = Future()
+        first_token_only = dataclasses.replace(params, max_tokens=1, stop=())
+        request = Request(request_id, tuple(prompt_token_ids), first_token_only,
+                          self.config.model.eos_token_ids)
+
+        def add() -> None:
+            self.core.add_request(request)
+            self._descriptors[request_id] = descriptor
+            self._results[request_id] = result
+
+        self._commands.put(add)
+        return result
+
+    def stats(self) -> dict[str, int]:
+        kv = self.core.kv_cache
+        return {"num_blocks": kv.pool.num_blocks, "num_free_blocks": kv.num_free_blocks,
+                "num_cached_blocks": kv.pool.num_cached_blocks,
+                "num_computed_tokens": self.core.scheduler.stats.num_computed_tokens}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        self.sender.close()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            while True:
+                try:
+                    self._commands.get_nowait()()
+                except queue.Empty:
+                    break
+            if self.core.has_unfinished_requests():
+                self._step()
+            else:
+                with contextlib.suppress(queue.Empty):
+                    self._commands.get(timeout=IDLE_WAIT_S)()
+
+    def _step(self) -> None:
+        plan = self.core.scheduler.schedule()
+        finals = [e for e in plan.requests if e.sampling_params is not None]
+        pushes = self.sender.plan(
+            [(self._descriptors[e.request_id], e.block_ids) for e in finals]
+        )
+        handles: list[PushHandle] = []
+
+        def push(layer: int) -> None:
+            handles.extend(self.sender.push_layer(layer, p) for p in pushes)
+
+        try:
+            result = self.core.runner.execute(plan, push)
+        except Exception as exc:  # the worker survives a failed batch; its requests fail
+            logger.exception("prefill step failed")
+            self.sender.abort(pushes, ErrorCode.PREFILL_FAILED)
+            self._fail([e.request_id for e in plan.requests], exc)
+            return
+        failed = self._complete(pushes, handles)
+        for out in self.core.scheduler.update(plan, result):
+            future = self._results.pop(out.request_id, None)
+            self._descriptors.pop(out.request_id, None)
+            if future is None:
+                continue
+            if out.request_id in failed:
+                future.set_exception(failed[out.request_id])
+            else:
+                future.set_result(out.new_token_ids[0])
+
+    def _complete(
+        self, pushes: list[PushPlan], handles: list[PushHandle]
+    ) -> dict[str, TransferError]:
+        """Wait until every pushed byte has left, then tell each receiver its transfer is done.
+
+        Returns the requests whose transfer failed, by request id.
+        """
+        failed: dict[bytes, TransferError] = {}
+        for handle in handles:
+            try:
+                handle.wait()
+            except TransferError as exc:
+                failed.update((t, exc) for t in handle.plan.transfer_ids)
+        for push in pushes:
+            if any(t in failed for t in push.transfer_ids):
+                continue
+            try:
+                self.sender.finish(push).wait()
+            except TransferError as exc:
+                failed.update((t, exc) for t in push.transfer_ids)
+        by_id = {d.transfer_id: rid for rid, d in self._descriptors.items()}
+        return {by_id[t]: exc for t, exc in failed.items() if t in by_id}
+
+    def _fail(self, request_ids: list[str], exc: BaseException) -> None:
+        for rid in request_ids:
+            self.core.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            self._descriptors.pop(rid, None)
+            future = self._results.pop(rid, None)
+            if future is not None:
+                future.set_exception(exc)
