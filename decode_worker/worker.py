@@ -100,6 +100,8 @@ class DecodeWorker:
             raise ValueError(f"request_id {request_id!r} is not reserved here")
         while True:
             out = q.get(timeout=timeout)
+            if out.finished:
+                self._streams.pop(request_id, None)
             yield out
             if out.finished:
                 return
@@ -233,11 +235,9 @@ class DecodeWorker:
         return found
 
     def _deliver(self, out: DecodeOutput) -> None:
-        q = self._streams.get(out.request_id)
+        q = self._streams.get(out.request_id)  # kept until its reader takes the last output
         if q is not None:
             q.put(out)
-            if out.finished:
-                del self._streams[out.request_id]
 
     def _stats(self) -> dict[str, int]:
         kv = self.core.kv_cache

@@ -20,10 +20,10 @@ from tests.workers.pd import MODEL_NAME, engine_config, generate_pd
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-def single_engine(model_dir, prompts):
+def single_engine(model_dir, prompts, params=PARAMS):
     core = EngineCore(engine_config(model_dir))
     for i, p in enumerate(prompts):
-        core.add_request(Request(f"r{i}", tuple(p), PARAMS))
+        core.add_request(Request(f"r{i}", tuple(p), params))
     outputs = {f"r{i}": [] for i in range(len(prompts))}
     while core.has_unfinished_requests():
         for out in core.step():

@@ -1,0 +1,228 @@
+"""KV transfer bandwidth: kvtransfer's layer-by-layer push vs raw gloo, between two processes.
+
+    python benchmarks/kv_transfer.py [--tokens 2048] [--repeat 7] [--threads 1]
+
+The KV of one SmolLM2-135M prompt (30 layers, 3 KV heads, head_dim 64, fp32, block size 16;
+2048 tokens = 128 blocks = 3 MiB per layer, 94.4 MB in all) is moved from a "prefill" process
+to a "decode" process (this one) over real gloo on 127.0.0.1:
+
+    kvtransfer  KVSender.push_layer for each layer (pack + header + payload, non-blocking), wait
+                all, DONE; KVReceiver validates each header, receives into staging, unpacks
+                into scattered destination blocks; timed until KVReceiver.wait() returns
+    raw gloo    one send/recv of a contiguous tensor of the same total size, same store,
+                same processes, pre-allocated buffers on both sides
+
+kvtransfer runs twice: into consecutive destination blocks (a fresh pool: sent from and
+received straight into the caches, no copy) and into scattered ones (a fragmented pool:
+received into staging, then unpacked: one more copy of every byte). Both are timed on this
+side, from the command to the prefill process (a pipe write) until the data is in place; runs
+are interleaved, the best and the median of `--repeat` runs after a warm-up are reported, and
+the target is kvtransfer >= 70% of raw. Each process runs `--threads` torch threads (gloo adds
+its own I/O threads); on a 2-core host the scattered case's extra copy competes with gloo's
+two I/O threads for the cores, so it is the case to watch there. `prefill_overlap` is the
+hook for the prefill+transfer vs prefill-alone figure once the prefill worker exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvtransfer import (  # noqa: E402
+    Endpoint,
+    GlooConnector,
+    GlooListener,
+    KVLayout,
+    KVReceiver,
+    KVSender,
+    TransferDescriptor,
+)
+
+SMOLLM2 = KVLayout("SmolLM2-135M-Instruct", "float32", block_size=16, num_layers=30,
+                   num_kv_heads=3, head_dim=64)
+SOURCE = Endpoint("127.0.0.1", 1, 0)
+RAW_TAG = 7
+
+
+def raw_group(port: int, rank: int) -> dist.ProcessGroupGloo:
+    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=30),
+                          wait_for_workers=False)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timedelta(seconds=60)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return dist.ProcessGroupGloo(dist.PrefixStore("bench/raw", store), rank, 2, opts)
+
+
+def prefill_overlap(
+    run_prefill: Callable[[Callable[[int], None] | None], None],
+    push_layer: Callable[[int], None], finish: Callable[[], None], repeat: int = 3,
+) -> dict[str, float]:
+    """Prefill alone vs prefill with each layer pushed as soon as it is computed.
+
+    `run_prefill(on_layer)` runs one prefill forward and calls `on_layer(i)` right after layer
+    i's KV is written (None: no callback). `push_layer(i)` posts that layer for every plan of
+    the batch (KVSender.push_layer, non-blocking); `finish()` waits every handle and sends
+    DONE. Returns the best-of-`repeat` seconds of both and the overhead ratio. The prefill
+    worker supplies the three callables; nothing here knows the model.
+    """
+    def timed(fn: Callable[[], None]) -> float:
+        best = float("inf")
+        for _ in range(repeat):
+            start = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    alone = timed(lambda: run_prefill(None))
+    both = timed(lambda: (run_prefill(push_layer), finish()))
+    return {"prefill_s": alone, "prefill_and_transfer_s": both, "overhead": both / alone - 1}
+
+
+# ---- the prefill process ----
+
+def sender_main(port: int, num_blocks: int, threads: int) -> None:
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    shape = (num_blocks, SMOLLM2.block_size, SMOLLM2.num_kv_heads, SMOLLM2.head_dim)
+    caches = [(torch.rand(shape, generator=g), torch.rand(shape, generator=g))
+              for _ in range(SMOLLM2.num_layers)]
+    sender = KVSender(SMOLLM2, GlooConnector(SOURCE), 1, caches)
+    raw = raw_group(port, 0)
+    raw_buf = torch.ones(SMOLLM2.num_layers * num_blocks * SMOLLM2.block_nbytes(3),
+                         dtype=torch.uint8)
+    for line in sys.stdin:
+        cmd, _, arg = line.strip().partition(" ")
+        if cmd == "kv":
+            desc = TransferDescriptor.decode(arg)
+            plans = sender.plan([(desc, list(range(desc.num_blocks)))])
+            handles = [sender.push_layer(layer, p) for layer in range(SMOLLM2.num_layers)
+                       for p in plans]
+            for h in handles:
+                h.wait()
+            for p in plans:
+                sender.finish(p).wait()
+        elif cmd == "raw":
+            raw.send([raw_buf], 1, RAW_TAG).wait()
+        else:
+            break
+        print("ok", flush=True)
+    sender.close()
+
+
+# ---- the decode process (this one) ----
+
+class Bench:
+    def __init__(self, num_blocks: int, threads: int) -> None:
+        self.num_blocks = num_blocks
+        self.listener = GlooListener("127.0.0.1")
+        shape = (2 * num_blocks, SMOLLM2.block_size, SMOLLM2.num_kv_heads, SMOLLM2.head_dim)
+        self.caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(SMOLLM2.num_layers)]
+        self.rx = KVReceiver(SMOLLM2, self.listener, 1, self.caches)
+        self.peer = subprocess.Popen(
+            [sys.executable, __file__, "--role", "sender", "--port",
+             str(self.listener.endpoint.port), "--blocks", str(num_blocks), "--threads",
+             str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.raw = raw_group(self.listener.endpoint.port, 1)
+        self.raw_buf = torch.empty(SMOLLM2.num_layers * num_blocks * SMOLLM2.block_nbytes(3),
+                                   dtype=torch.uint8)
+
+    def command(self, line: str) -> None:
+        assert self.peer.stdin is not None
+        self.peer.stdin.write(line + "\n")
+        self.peer.stdin.flush()
+
+    def ack(self) -> None:
+        assert self.peer.stdout is not None
+        if self.peer.stdout.readline().strip() != "ok":
+            raise RuntimeError("the prefill process failed (see its stderr)")
+
+    def kv_once(self, scattered: bool) -> float:
+        """Scattered: random destination blocks (a fragmented pool: staged + unpacked).
+        Contiguous: consecutive ones (a fresh pool: received straight into the cache)."""
+        if scattered:
+            blocks = torch.randperm(2 * self.num_blocks)[:self.num_blocks].tolist()
+        else:
+            first = int(torch.randint(0, self.num_blocks + 1, ()))
+            blocks = list(range(first, first + self.num_blocks))
+        desc = TransferDescriptor.new("bench", SMOLLM2, [SOURCE], [(self.listener.endpoint,
+                                                                     blocks)], time.time() + 60)
+        self.rx.expect(desc)
+        start = time.perf_counter()
+        self.command(f"kv {desc.encode().decode()}")
+        self.rx.wait(desc.transfer_id)
+        elapsed = time.perf_counter() - start
+        self.ack()
+        return elapsed
+
+    def raw_once(self) -> float:
+        work = self.raw.recv([self.raw_buf], 0, RAW_TAG)
+        start = time.perf_counter()
+        self.command("raw")
+        work.wait()
+        elapsed = time.perf_counter() - start
+        self.ack()
+        return elapsed
+
+    def close(self) -> None:
+        self.command("quit")
+        self.peer.wait(timeout=30)
+        self.rx.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--role", default="decode", choices=("decode", "sender"))
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--blocks", type=int, default=0)
+    args = parser.parse_args()
+    if args.role == "sender":
+        sender_main(args.port, args.blocks, args.threads)
+        return
+    torch.set_num_threads(args.threads)
+    num_blocks = -(-args.tokens // SMOLLM2.block_size)
+    nbytes = SMOLLM2.num_layers * num_blocks * SMOLLM2.block_nbytes(SMOLLM2.num_kv_heads)
+    bench = Bench(num_blocks, args.threads)
+    try:
+        runs = {"kv contiguous": [], "kv scattered": [], "raw gloo": []}
+        for i in range(args.repeat + 1):  # run 0 warms up (channel setup, first-touch pages)
+            times = (bench.kv_once(False), bench.kv_once(True), bench.raw_once())
+            for name, t in zip(runs, times):
+                if i:
+                    runs[name].append(t)
+    finally:
+        bench.close()
+    print(f"SmolLM2-135M KV of a {args.tokens}-token prompt: {SMOLLM2.num_layers} layers x "
+          f"{num_blocks} blocks, {SMOLLM2.block_nbytes(3) * num_blocks / 2**20:.1f} MiB/layer, "
+          f"{nbytes / 1e6:.1f} MB; 2 processes on 127.0.0.1, {args.threads} torch thread(s) each")
+    best = {name: min(times) for name, times in runs.items()}
+    for name, times in runs.items():
+        print(f"  {name:<13} best {best[name] * 1e3:7.2f} ms  {nbytes / best[name] / 1e9:5.2f} GB/s"
+              f"   median {statistics.median(times) * 1e3:7.2f} ms  "
+              f"{nbytes / statistics.median(times) / 1e9:5.2f} GB/s")
+    median = {name: statistics.median(times) for name, times in runs.items()}
+    ratios = {}
+    for name in ("kv contiguous", "kv scattered"):
+        ratios[name] = {"best": best["raw gloo"] / best[name],
+                        "median": median["raw gloo"] / median[name]}
+        print(f"  {name} / raw gloo: best {ratios[name]['best']:.0%}, median "
+              f"{ratios[name]['median']:.0%} (target >= 70%)")
+    print(json.dumps({"bytes": nbytes, "best_s": best, "median_s": median, "ratio": ratios}))
+
+
+if __name__ == "__main__":
+    main()

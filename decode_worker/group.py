@@ -1,0 +1,34 @@
+"""Start one rank of a decode tensor-parallel group: rank 0 serves, the others follow."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from decode_worker.follower import run_follower
+from decode_worker.worker import DecodeWorker
+from engine.config import EngineConfig, with_num_blocks
+from engine.model_runner import ModelRunner
+from engine.models.parallel import TensorParallel
+from kvtransfer.connector import Listener
+from kvtransfer.descriptor import Endpoint
+from kvtransfer.layout import KVLayout
+from kvtransfer.receiver import KVReceiver
+
+
+def start_decode_rank(
+    config: EngineConfig,
+    tp: TensorParallel,
+    listener: Listener,
+    endpoints: Sequence[Endpoint],
+    model_name: str,
+) -> DecodeWorker | None:
+    """Rank 0: the running DecodeWorker. Other ranks: serve until rank 0 stops; None."""
+    if tp.rank == 0:
+        return DecodeWorker(config, listener, endpoints, model_name, tp)
+    config = replace(config, cache=with_num_blocks(config.cache, config.model))
+    runner = ModelRunner(config, tp)
+    layout = KVLayout.from_model_config(config.model, config.cache.block_size, model_name)
+    receiver = KVReceiver(layout, listener, tp.size, [kv[:2] for kv in runner.kv_caches])
+    run_follower(runner, tp, receiver)
+    return None

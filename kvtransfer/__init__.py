@@ -1,0 +1,33 @@
+"""KV data plane between prefill and decode workers: layout, descriptors, headers, channels.
+
+    layout.py       KVLayout (+ layout_id), head_ranges, reshard_routes: TP=p -> TP=d math
+    descriptor.py   TransferDescriptor / Endpoint: what decode reserved, strict JSON codec
+    header.py       the fixed 4096-byte data-plane header and its hostile-input validation
+    channel.py      PairChannel: 2-rank control + data groups, deadlines, prompt close
+    connector.py    the connect handshake (layout checked before any KV moves); roles
+    rendezvous.py   GlooConnector / GlooListener: channels from a TCPStore, no global world
+    sender.py       KVSender: plan a batch per destination rank, push layer by layer
+    receiver.py     KVReceiver: expect / poll / wait / cancel
+    inbox.py        per channel: the header reader and the payload lander threads
+    landing.py      claims, recv targets (straight into the cache when possible), unpacking
+    reservation.py  one expected transfer: which (layer, head, block) cells have landed
+    staging.py      reused transfer buffers; packing into one
+    loopback.py     LoopbackHub: the same sender/receiver in one process, for worker tests
+    errors.py       TransferError + ErrorCode, raised on both ends of a failed transfer
+"""
+
+from kvtransfer.descriptor import DescriptorError, DestinationShard, Endpoint, TransferDescriptor
+from kvtransfer.errors import ErrorCode, TransferError
+from kvtransfer.header import HeaderError, LayoutMismatchError, MessageHeader
+from kvtransfer.layout import KVLayout, ShardRoute, reshard_routes, routes_from, routes_to
+from kvtransfer.loopback import LoopbackHub
+from kvtransfer.receiver import KVReceiver, ReceiverEvents
+from kvtransfer.rendezvous import GlooConnector, GlooListener
+from kvtransfer.sender import KVSender, PushHandle, PushPlan
+
+__all__ = [
+    "DescriptorError", "DestinationShard", "Endpoint", "ErrorCode", "GlooConnector",
+    "GlooListener", "HeaderError", "KVLayout", "KVReceiver", "KVSender", "LayoutMismatchError",
+    "LoopbackHub", "MessageHeader", "PushHandle", "PushPlan", "ReceiverEvents", "ShardRoute",
+    "TransferDescriptor", "TransferError", "reshard_routes", "routes_from", "routes_to",
+]

@@ -1,0 +1,122 @@
+"""Run a prefill worker or one decode rank as a plain process, driven by JSON lines.
+
+    python -m tests.workers.host < config line, then command lines
+A command is {"op": ..., ...}; every answer is one JSON line. No pickle crosses the pipe.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from decode_worker.group import start_decode_rank
+from engine.models.parallel import TensorParallel
+from engine.sampling_params import SamplingParams
+from kvtransfer.descriptor import Endpoint, TransferDescriptor
+from kvtransfer.rendezvous import GlooConnector, GlooListener
+from prefill_worker.worker import PrefillWorker
+from tests.workers.pd import MODEL_NAME, engine_config
+
+
+def answer(**body) -> None:
+    sys.stdout.write(json.dumps(body) + "\n")
+    sys.stdout.flush()
+
+
+def serve_prefill(cfg: dict) -> None:
+    source = Endpoint("127.0.0.1", cfg["identity_port"], 0)
+    worker = PrefillWorker(engine_config(cfg["model_dir"]), GlooConnector(source), MODEL_NAME)
+    die_after = cfg.get("die_after_layer_pushes")
+    if die_after is not None:  # fault injection: the process dies in the middle of a push
+        push, count = worker.sender.push_layer, [0]
+
+        def push_then_die(layer, plan):
+            count[0] += 1
+            if count[0] > die_after:
+                os._exit(17)
+            return push(layer, plan)
+
+        worker.sender.push_layer = push_then_die
+    futures = {}
+    answer(ready=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "prefill":
+            params = SamplingParams(**cmd["params"])
+            descriptor = TransferDescriptor.decode(cmd["descriptor"])
+            futures[cmd["id"]] = worker.prefill(cmd["id"], cmd["prompt"], params, descriptor)
+            answer(ok=True)
+        elif cmd["op"] == "result":
+            try:
+                answer(first_token=futures.pop(cmd["id"]).result(timeout=60))
+            except Exception as exc:
+                answer(error=str(exc))
+        elif cmd["op"] == "stats":
+            answer(**worker.stats())
+        elif cmd["op"] == "close":
+            worker.close()
+            answer(closed=True)
+            return
+
+
+def serve_decode(cfg: dict) -> None:
+    rank, size = cfg["rank"], cfg["tp_size"]
+    store = dist.TCPStore("127.0.0.1", cfg["tp_port"], None, rank == 0, wait_for_workers=False)
+    group = dist.ProcessGroupGloo(
+        dist.PrefixStore("tp", store), rank, size, datetime.timedelta(seconds=60)
+    )
+    if rank == 0:
+        listener = GlooListener("127.0.0.1", rank=0)
+        store.set("kv_port", str(listener.endpoint.port))
+    else:
+        port = int(store.get("kv_port"))
+        listener = GlooListener("127.0.0.1", rank=rank, port=port, host_store=False)
+    endpoints = [Endpoint("127.0.0.1", listener.endpoint.port, r) for r in range(size)]
+    config = engine_config(cfg["model_dir"], num_blocks=cfg.get("num_blocks", 256))
+    worker = start_decode_rank(config, TensorParallel(rank, size, group), listener, endpoints,
+                               MODEL_NAME)
+    if worker is None:
+        return
+    answer(ready=True, endpoint=[listener.endpoint.host, listener.endpoint.port, 0])
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "reserve":
+            params = SamplingParams(**cmd["params"])
+            descriptor = worker.reserve(cmd["id"], cmd["prompt"], params,
+                                        [Endpoint(*cmd["source"])], cmd["deadline"])
+            answer(descriptor=descriptor.encode().decode() if descriptor else None)
+        elif cmd["op"] == "start":
+            worker.start(cmd["id"], cmd["first_token"])
+            answer(ok=True)
+        elif cmd["op"] == "collect":
+            tokens, last = [], None
+            for out in worker.stream(cmd["id"], timeout=120):
+                tokens.extend(out.token_ids)
+                last = out
+            answer(tokens=tokens, finish_reason=last.finish_reason, error=last.error)
+        elif cmd["op"] == "stats":
+            answer(**worker.stats())
+        elif cmd["op"] == "close":
+            worker.close()
+            answer(closed=True)
+            return
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    cfg = json.loads(sys.stdin.readline())
+    try:
+        (serve_prefill if cfg["role"] == "prefill" else serve_decode)(cfg)
+    except Exception:
+        answer(error=traceback.format_exc())
+        raise
+
+
+if __name__ == "__main__":
+    main()
