@@ -59,3 +59,47 @@ def test_disaggregated_matches_single_engine(tiny_llama_dir, workers):
     stats = decode.stats()
     assert stats["num_free_blocks"] == stats["num_blocks"]
     assert prefill.stats()["num_free_blocks"] == prefill.stats()["num_blocks"]
+
+
+@pytest.mark.parametrize("mismatch", ["block_size", "dtype", "head_split"])
+def test_layout_mismatch_fails_before_any_transfer(tiny_llama_dir, mismatch):
+    """The prefill refuses a descriptor of another layout; no KV byte moves; nothing leaks."""
+    import dataclasses
+
+    from engine.config import CacheConfig
+    from kvtransfer.descriptor import TransferDescriptor
+
+    hub = LoopbackHub()
+    decode_ep = Endpoint("127.0.0.1", 9, 0)
+    decode = DecodeWorker(engine_config(tiny_llama_dir), hub.listener(decode_ep), [decode_ep],
+                          MODEL_NAME)
+    config = engine_config(tiny_llama_dir)
+    if mismatch == "block_size":
+        config = dataclasses.replace(config, cache=CacheConfig(block_size=32, num_blocks=128))
+    if mismatch == "dtype":
+        config = dataclasses.replace(
+            config, model=dataclasses.replace(config.model, dtype="bfloat16")
+        )
+    prefill = PrefillWorker(config, hub.connector(Endpoint("127.0.0.1", 8, 0)), MODEL_NAME)
+    try:
+        prompt = list(range(100, 164))
+        desc = decode.reserve("m", prompt, PARAMS, [prefill.endpoint], 1e12)
+        assert desc is not None
+        if mismatch == "head_split":  # a descriptor that splits the KV heads over 2 ranks
+            split = TransferDescriptor.new(
+                "h", decode.layout, [prefill.endpoint],
+                [(decode_ep, desc.destinations[0].block_ids),
+                 (Endpoint("127.0.0.1", 9, 1), desc.destinations[0].block_ids)], 1e12,
+            )
+            with pytest.raises(ValueError, match="heads"):
+                decode.receiver.expect(split)
+        else:
+            with pytest.raises(ValueError, match="layout"):
+                prefill.prefill("m", prompt, PARAMS, desc)
+        assert decode.abort("m")
+        assert prefill.stats()["num_free_blocks"] == prefill.stats()["num_blocks"]
+        stats = decode.stats()
+        assert stats["num_free_blocks"] == stats["num_blocks"]
+    finally:
+        prefill.close()
+        decode.close()

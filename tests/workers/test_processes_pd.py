@@ -1,4 +1,4 @@
-"""Real processes over gloo: one prefill worker, one decode group of TP 2.
+"""Real processes over gloo: one prefill worker, one decode group of TP 1 or 2.
 
 Greedy tokens equal the single engine's for 16+ concurrent requests (prefill prefix-cache hits
 included); a prefill killed mid-push fails only its requests, within their deadline, and the
@@ -18,11 +18,11 @@ from tests.workers.test_loopback_pd import single_engine
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture()
-def decode_group(tiny_llama_dir):
-    hosts = start_decode_group(tiny_llama_dir, tp_size=2)
+@pytest.fixture(params=[2])
+def decode_group(tiny_llama_dir, request):
+    hosts = start_decode_group(tiny_llama_dir, tp_size=request.param)
     yield hosts[0]
-    for host in hosts:
+    for host in hosts:  # rank 0's close stops the followers too
         host.stop()
 
 
@@ -51,7 +51,8 @@ def assert_all_free(host):
     assert stats["num_free_blocks"] == stats["num_blocks"], stats
 
 
-def test_tp2_decode_matches_single_engine(tiny_llama_dir, decode_group):
+@pytest.mark.parametrize("decode_group", [1, 2], indirect=True)
+def test_decode_group_matches_single_engine(tiny_llama_dir, decode_group):
     base = [list(p) for p in mixed_prompts(49152, seed=6)]
     prompts = base + [base[0][:160] + [5, 6], base[5][:120]] * 4
     expected = single_engine(tiny_llama_dir, prompts)
