@@ -78,3 +78,33 @@ def pack_into(
         else:
             torch.index_select(cache[:, :, head_start:head_end], 0, block_ids, out=out[kv])
     return out
+
+
+def unpack_from(
+    buf: torch.Tensor,  # [2, n, block_size, head_end - head_start, head_dim], contiguous
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], CPU
+    v_cache: torch.Tensor,
+    block_ids: torch.Tensor,  # [n] int64, distinct
+    head_start: int,
+    head_end: int,
+) -> None:
+    """`kernels.unpack_blocks_ref` on CPU, through numpy fancy assignment on byte views.
+
+    Measured here (one thread, one 3 MiB SmolLM2 layer into 128 random blocks of 256): torch's
+    `index_copy_` 0.46 ms, numpy row assignment 0.08 ms (a memcpy per row; index_copy_ goes
+    element by element). Byte views make it dtype-agnostic (bf16 has no numpy dtype).
+    """
+    if any(c.stride(-1) != 1 for c in (k_cache, v_cache)) or not buf.is_contiguous():
+        from kernels.pack_blocks import unpack_blocks_ref
+
+        unpack_blocks_ref(buf, k_cache, v_cache, block_ids, head_start, head_end)
+        return
+    ids = block_ids.numpy()
+    n = ids.shape[0]
+    for kv, cache in enumerate((k_cache, v_cache)):
+        if head_start == 0 and head_end == cache.shape[2] and cache.is_contiguous():
+            dst = cache.view(cache.shape[0], -1).view(torch.uint8).numpy()
+            dst[ids] = buf[kv].reshape(n, -1).view(torch.uint8).numpy()
+        else:  # a head slice: the last dim in bytes keeps every view a plain strided array
+            dst = cache.view(torch.uint8).numpy()
+            dst[ids, :, head_start:head_end] = buf[kv].view(torch.uint8).numpy()
