@@ -125,6 +125,8 @@ def check_kv_scales(
     check_shape("v_scale", v_scale, tuple(k_cache.shape[:3]))
     check_dtype("k_scale", k_scale, SCALE_DTYPES)
     check_dtype("v_scale", v_scale, SCALE_DTYPES)
+    if k_scale.stride() != v_scale.stride():
+        raise ValueError("k_scale and v_scale must share strides (allocate them alike)")
 
 
 def check_block_tables(

@@ -219,8 +219,6 @@ def paged_decode_attention_int8(
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     _check_decode_args(q, k_cache, v_cache, block_tables, context_lens, quantized=True)
     check_kv_scales(k_scale, v_scale, k_cache)
-    if k_scale.stride() != v_scale.stride():
-        raise ValueError("k_scale and v_scale must share strides (allocate them alike)")
     return _launch(q, k_cache, v_cache, (k_scale, v_scale), block_tables, context_lens, scale,
                    max_context_len, num_splits)
 

@@ -183,8 +183,6 @@ def paged_prefill_attention_int8(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     _check_prefill_args(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, True)
     check_kv_scales(k_scale, v_scale, k_cache)
-    if k_scale.stride() != v_scale.stride():
-        raise ValueError("k_scale and v_scale must share strides (allocate them alike)")
     return _launch(q, k_cache, v_cache, (k_scale, v_scale), block_tables, query_start_loc,
                    context_lens, scale, max_query_len)
 

@@ -125,8 +125,6 @@ def store_kv_int8(
 ) -> None:
     _check_store_args(key, value, k_cache, v_cache, slot_mapping, quantized=True)
     check_kv_scales(k_scale, v_scale, k_cache)
-    if k_scale.stride() != v_scale.stride():
-        raise ValueError("k_scale and v_scale must share strides (allocate them alike)")
     _launch(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
 
 

@@ -21,9 +21,9 @@ from engine.config import CacheConfig, EngineConfig, load_model_config
 from engine.engine_core import EngineCore
 from engine.models.parallel import TensorParallel
 from engine.plan_broadcast import decode_plan, encode_plan, follow
-from engine.request import Request
 from engine.sampling_params import SamplingParams
 from tests.integration.hf_reference import mixed_prompts
+from tests.workers.pd import run_engine
 
 MAX_TOKENS = 16
 
@@ -44,13 +44,7 @@ def make_config(model_dir) -> EngineConfig:
 
 def run_requests(core: EngineCore, prompts) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        core.add_request(Request(f"r{i}", tuple(prompt), params))
-    outputs = {f"r{i}": [] for i in range(len(prompts))}
-    while core.has_unfinished_requests():
-        for out in core.step():
-            outputs[out.request_id].extend(out.new_token_ids)
-    return [outputs[f"r{i}"] for i in range(len(prompts))]
+    return run_engine(core, prompts, params)
 
 
 def tp_rank_main(rank, size, port, model_dir, prompts, results):

@@ -35,3 +35,16 @@ def generate_pd(prefill, decode, request_id, prompt, params: SamplingParams, tim
     if last.finish_reason == "error":
         raise RuntimeError(f"{request_id}: {last.error}")
     return tokens
+
+
+def run_engine(core, prompts, params: SamplingParams) -> list[list[int]]:
+    """Every prompt through one in-process EngineCore (the reference the workers must match)."""
+    from engine.request import Request
+
+    for i, prompt in enumerate(prompts):
+        core.add_request(Request(f"r{i}", tuple(prompt), params))
+    outputs = {f"r{i}": [] for i in range(len(prompts))}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+    return [outputs[f"r{i}"] for i in range(len(prompts))]

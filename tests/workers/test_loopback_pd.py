@@ -9,26 +9,18 @@ import pytest
 
 from decode_worker.worker import DecodeWorker
 from engine.engine_core import EngineCore
-from engine.request import Request
 from engine.sampling_params import SamplingParams
 from kvtransfer.descriptor import Endpoint
 from kvtransfer.loopback import LoopbackHub
 from prefill_worker.worker import PrefillWorker
 from tests.integration.hf_reference import mixed_prompts
-from tests.workers.pd import MODEL_NAME, engine_config, generate_pd
+from tests.workers.pd import MODEL_NAME, engine_config, generate_pd, run_engine
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def single_engine(model_dir, prompts, params=PARAMS):
-    core = EngineCore(engine_config(model_dir))
-    for i, p in enumerate(prompts):
-        core.add_request(Request(f"r{i}", tuple(p), params))
-    outputs = {f"r{i}": [] for i in range(len(prompts))}
-    while core.has_unfinished_requests():
-        for out in core.step():
-            outputs[out.request_id].extend(out.new_token_ids)
-    return [outputs[f"r{i}"] for i in range(len(prompts))]
+    return run_engine(EngineCore(engine_config(model_dir)), prompts, params)
 
 
 @pytest.fixture()
