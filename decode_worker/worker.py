@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import torch
@@ -129,9 +130,22 @@ class DecodeWorker:
                 future.set_exception(exc)
 
         self._commands.put(run)
-        return future.result()
+        while True:  # never hang on a loop that has died
+            try:
+                return future.result(timeout=0.1)
+            except FutureTimeout:
+                if not self._thread.is_alive():
+                    raise RuntimeError("decode worker loop has stopped") from None
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except Exception as exc:  # end every stream with the reason rather than hang them
+            logger.exception("decode loop failed")
+            for request_id in list(self._streams):
+                self._deliver(DecodeOutput(request_id, (), "error", f"decode worker died: {exc}"))
+
+    def _serve(self) -> None:
         scheduler = self.core.scheduler
         while not self._stop.is_set():
             self._run_commands()

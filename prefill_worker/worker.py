@@ -58,6 +58,8 @@ class PrefillWorker:
         descriptor: TransferDescriptor,
     ) -> Future[int]:
         """Queue a prompt; the future gives its first token once its KV has been pushed."""
+        if self._stop.is_set():
+            raise RuntimeError("prefill worker is closed")
         descriptor.check_layout(self.layout)
         num_blocks = -(-len(prompt_token_ids) // self.layout.block_size)
         if descriptor.num_blocks != num_blocks:
@@ -89,6 +91,15 @@ class PrefillWorker:
         self.sender.close()
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except Exception as exc:  # fail every waiting caller rather than leave it hanging
+            logger.exception("prefill loop failed")
+            self._stop.set()
+            for future in self._results.values():
+                future.set_exception(RuntimeError(f"prefill worker died: {exc}"))
+
+    def _serve(self) -> None:
         while not self._stop.is_set():
             while True:
                 try:
