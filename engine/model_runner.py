@@ -90,7 +90,9 @@ class ModelRunner:
     def _generator(self, entry: ScheduledRequest) -> torch.Generator | None:
         if entry.request_id not in self._generators:
             seed = entry.sampling_params.seed
-            self._generators[entry.request_id] = make_generator(seed, self.device)
+            self._generators[entry.request_id] = make_generator(
+                seed, self.device, entry.num_output_tokens, self.config.model.vocab_size
+            )
         return self._generators[entry.request_id]
 
     def _prepare(self, plan: SchedulerOutput):

@@ -32,6 +32,7 @@ def encode_plan(plan: SchedulerOutput) -> dict[str, Any]:
             "start": e.num_computed_tokens,
             "blocks": list(e.block_ids),
             "params": dataclasses.asdict(e.sampling_params) if e.sampling_params else None,
+            "outputs": e.num_output_tokens,
         }
         for e in plan.requests
     ]
@@ -46,6 +47,7 @@ def decode_plan(body: dict[str, Any]) -> SchedulerOutput:
             num_computed_tokens=int(r["start"]),
             block_ids=tuple(int(b) for b in r["blocks"]),
             sampling_params=SamplingParams(**r["params"]) if r["params"] else None,
+            num_output_tokens=int(r["outputs"]),
         )
         for r in body["requests"]
     )

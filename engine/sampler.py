@@ -23,17 +23,29 @@ logger = logging.getLogger(__name__)
 MIN_TEMPERATURE = 1e-5
 
 
-def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+def make_generator(
+    seed: int | None, device: torch.device, num_sampled: int = 0, vocab_size: int = 0
+) -> torch.Generator | None:
     """The generator of a request with `seed` (None when unseeded), on the logits' device.
 
     Make it once per request and pass the same object every step: its state is the request's
-    position in its own noise stream.
+    position in its own noise stream. `num_sampled` tokens already drawn elsewhere (the first
+    token, sampled by a prefill worker) are skipped, so the stream continues where it was.
     """
     if seed is None:
         return None
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
+    for _ in range(num_sampled):
+        draw_noise(generator, vocab_size, device)
     return generator
+
+
+def draw_noise(generator: torch.Generator, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """One request's Exp(1) noise for one token: [V] fp32 from its own generator."""
+    return torch.empty(vocab_size, dtype=torch.float32, device=device).exponential_(
+        generator=generator
+    )
 
 
 @dataclass(frozen=True)
@@ -147,8 +159,7 @@ class Sampler:
             noise.exponential_(generator=self._shared_generator(x.device))
         for row in batch.seeded_rows:
             # A fresh [V] draw per request: its values depend only on its generator's state.
-            row_noise = torch.empty(x.shape[1], dtype=x.dtype, device=x.device)
-            noise[row] = row_noise.exponential_(generator=batch.generators[row])
+            noise[row] = draw_noise(batch.generators[row], x.shape[1], x.device)
         # Exp(1) can round to 0; log(0) = -inf would turn a masked token's -inf into NaN.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 

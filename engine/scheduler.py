@@ -185,6 +185,7 @@ class Scheduler:
                     num_computed_tokens=start,
                     block_ids=tuple(self.kv_cache.block_ids(request.request_id)),
                     sampling_params=request.sampling_params if samples else None,
+                    num_output_tokens=len(request.output_token_ids),
                 )
             )
         entries.sort(key=lambda e: e.num_tokens != 1)  # decode-shaped first, order kept

@@ -18,6 +18,7 @@ class ScheduledRequest:
     num_computed_tokens: int  # position of token_ids[0]
     block_ids: tuple[int, ...]  # the request's whole block table
     sampling_params: SamplingParams | None  # None: a prefill chunk that samples nothing
+    num_output_tokens: int = 0  # tokens the request has generated so far (here or elsewhere)
 
     @property
     def num_tokens(self) -> int:

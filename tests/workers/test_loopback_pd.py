@@ -95,3 +95,14 @@ def test_layout_mismatch_fails_before_any_transfer(tiny_llama_dir, mismatch):
     finally:
         prefill.close()
         decode.close()
+
+
+def test_seeded_sampling_continues_across_prefill_and_decode(tiny_llama_dir, workers):
+    """The prefill worker samples the first token from the seed's stream; decode picks the
+    stream up where it left off, so seeded outputs equal the colocated engine's."""
+    prefill, decode = workers
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=77, max_tokens=10, ignore_eos=True)
+    prompts = [list(range(200, 230)), list(range(300, 305))]
+    expected = single_engine(tiny_llama_dir, prompts, params)
+    got = [generate_pd(prefill, decode, f"s{i}", p, params) for i, p in enumerate(prompts)]
+    assert got == expected
