@@ -96,10 +96,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._outputs)
-
     def step(self) -> list[RequestOutput]:
         return [self._process(out) for out in self.core.step()]
 
