@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -49,7 +50,7 @@ class AsyncLLMEngine:
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str = ""
     ) -> AsyncIterator[RequestOutput]:
         """Per-step outputs of one request; the last one has `finished` set."""
-        async for out in self.add_request(request_id or _new_id(), prompt, params):
+        async for out in self.add_request(request_id or uuid.uuid4().hex, prompt, params):
             yield out
 
     def abort(self, request_id: str) -> None:
@@ -125,8 +126,3 @@ class AsyncLLMEngine:
         if out.finished:
             del self._streams[out.request_id]
 
-
-def _new_id() -> str:
-    import uuid
-
-    return uuid.uuid4().hex

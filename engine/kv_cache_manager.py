@@ -24,23 +24,13 @@ class KVCacheManager:
         self._blocks: dict[str, list[Block]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks already published
-        self.num_prefix_queries = 0  # tokens looked up in the prefix cache
-        self.num_prefix_hits = 0  # tokens found there
 
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks referenced by some request."""
-        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
-
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, ())]
-
-    def num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
 
     def find_cached_prefix(self, request: Request) -> list[Block]:
         """Leading blocks of the request already cached (no reference taken yet).
@@ -59,8 +49,6 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.num_prefix_queries += len(tokens)
-        self.num_prefix_hits += len(hits) * self.block_size
         return hits
 
     def allocate(
@@ -73,7 +61,7 @@ class KVCacheManager:
         held = self._blocks.get(request.request_id, [])
         assert not (hits and held), "prefix hits apply only to a request holding no blocks"
         num_computed = len(hits) * self.block_size if hits else request.num_computed_tokens
-        need = self.num_blocks_for(num_computed + num_new_tokens) - len(held) - len(hits)
+        need = -(-(num_computed + num_new_tokens) // self.block_size) - len(held) - len(hits)
         evictable_hits = sum(1 for b in hits if b.ref_count == 0)
         if need > self.pool.num_free_blocks - evictable_hits:
             return False

@@ -14,6 +14,7 @@ closed; `Listener` (receiver side) hands accepted channels to the receiver. Impl
 
 from __future__ import annotations
 
+import abc
 import json
 import logging
 import threading
@@ -88,8 +89,9 @@ def decode_answer(data: bytes, dest: Endpoint) -> None:
     raise TransferError(f"receiver {dest.key} refused the connection: {reason}", code)
 
 
-class Connector:
-    """Sender side: one cached channel per destination rank, reopened after a close."""
+class Connector(abc.ABC):
+    """Sender side: one cached channel per destination rank, reopened after a close.
+    Transports implement `_open` (gloo over a TCPStore, or the in-process loopback)."""
 
     def __init__(self, source: Endpoint) -> None:
         self.source = source
@@ -125,23 +127,27 @@ class Connector:
             channel.join(CLOSE_JOIN_S)
         self._close_transport()
 
+    @abc.abstractmethod
     def _open(self, dest: Endpoint, layout: KVLayout) -> PairChannel:
-        raise NotImplementedError
+        """Handshake with `dest` (layouts compared) and return the pair's channel."""
 
+    @abc.abstractmethod
     def _close_transport(self) -> None:
-        pass
+        """Release what the transport holds besides the channels (store clients, ...)."""
 
 
-class Listener:
+class Listener(abc.ABC):
     """Receiver side: accepts channels on `endpoint` until closed."""
 
     endpoint: Endpoint
 
+    @abc.abstractmethod
     def listen(self, accept: AcceptFn, on_channel: ChannelFn) -> None:
-        raise NotImplementedError
+        """Start accepting: `accept` vets each request, `on_channel` gets each new channel."""
 
+    @abc.abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        """Stop accepting."""
 
 
 def check_request(accept: AcceptFn, request: ConnectRequest) -> tuple[ErrorCode, str] | None:

@@ -27,7 +27,7 @@ from kvtransfer.errors import ErrorCode, TransferError
 from kvtransfer.header import MessageHeader, TransferSlice
 from kvtransfer.layout import KVLayout
 from kvtransfer.reservation import Reservation, TransferState
-from kvtransfer.staging import BufferPool, unpack_from
+from kvtransfer.staging import BufferPool
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +71,6 @@ class Landing:
         self.head_start, self.head_end = head_range
         self.device = kv_caches[0][0].device
         self.ops = backend or get_backend(self.device)
-        # On CPU the default backend's index_copy_ is ~6x slower than numpy row assignment
-        # (kvtransfer.staging.unpack_from); an explicitly given backend is always used.
-        self._unpack = (unpack_from if backend is None and self.device.type == "cpu"
-                        else self.ops.unpack_blocks)
         self.num_blocks = kv_caches[0][0].shape[0]
         self.max_payload_nbytes, self.max_inflight = max_payload_nbytes, max_inflight
         self.pool = BufferPool()
@@ -158,9 +154,9 @@ class Landing:
                 idx = torch.cat([torch.arange(p.position, p.position + p.entry.num_blocks)
                                  for p in staged])
                 payload = payload.index_select(1, idx.to(self.device))
-            self._unpack(payload, k, v, dst, h0, h1)
+            self.ops.unpack_blocks(payload, k, v, dst, h0, h1)
         for p in staged if h.segmented else ():
-            self._unpack(d.staged[p.index], k, v, self._dst([p]), h0, h1)
+            self.ops.unpack_blocks(d.staged[p.index], k, v, self._dst([p]), h0, h1)
         if live and self.device.type == "cuda":  # complete means readable from any stream
             torch.cuda.current_stream(self.device).synchronize()
         for p in live:

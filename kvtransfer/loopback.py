@@ -195,3 +195,6 @@ class LoopbackConnector(Connector):
         return PairChannel(LoopbackGroup(control, SENDER), LoopbackGroup(data, SENDER),
                            rank=SENDER, name=name, peer_key=dest.key, reasons=self._hub.reasons,
                            device=torch.device("cpu"))
+
+    def _close_transport(self) -> None:
+        """The hub is shared by every loopback peer: nothing of this connector's to release."""

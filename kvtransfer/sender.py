@@ -36,7 +36,7 @@ from kvtransfer.descriptor import Endpoint, TransferDescriptor
 from kvtransfer.errors import ErrorCode, TransferError
 from kvtransfer.header import MAX_TRANSFERS, Kind, MessageHeader, TransferSlice
 from kvtransfer.layout import KVLayout, check_kv_caches, routes_from
-from kvtransfer.staging import BufferPool, pack_into
+from kvtransfer.staging import BufferPool
 
 logger = logging.getLogger(__name__)
 
@@ -186,10 +186,11 @@ class KVSender:
         k, v = self.kv_caches[layer]
         src = torch.tensor(ids, dtype=torch.int64, device=self.device)
         h0, h1 = plan.head_start - self.head_start, plan.head_end - self.head_start
-        if self.device.type == "cuda":  # the caching allocator recycles memory already
-            return self._ops.pack_blocks(k, v, src, h0, h1)
-        shape = (2, len(ids), self.layout.block_size, h1 - h0, self.layout.head_dim)
-        return pack_into(self._pool.take(shape, k.dtype, self.device), k, v, src, h0, h1)
+        out = None
+        if self.device.type != "cuda":  # CUDA's caching allocator recycles memory already
+            shape = (2, len(ids), self.layout.block_size, h1 - h0, self.layout.head_dim)
+            out = self._pool.take(shape, k.dtype, self.device)
+        return self._ops.pack_blocks(k, v, src, h0, h1, out=out)
 
     def finish(self, plan: PushPlan) -> PushHandle:
         """Tell the receiver this rank pushed everything for `plan` (it checks nothing is

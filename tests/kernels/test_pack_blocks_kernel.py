@@ -71,3 +71,14 @@ def test_pack_rejects_bad_head_range():
     k_cache, v_cache = _caches(torch.float32, (2, 16, 2, 64))
     with pytest.raises(ValueError, match="head_end"):
         pack_blocks(k_cache, v_cache, torch.tensor([0]), 1, 3)
+
+
+def test_pack_into_a_reused_buffer():
+    k_cache, v_cache = _caches(torch.float32, (9, 16, 4, 64))
+    block_ids = torch.tensor([7, 2, 5])
+    out = torch.full((2, 3, 16, 2, 64), float("nan"))
+    packed = pack_blocks(k_cache, v_cache, block_ids, 1, 3, out=out)
+    assert packed.data_ptr() == out.data_ptr()
+    assert torch.equal(out, pack_blocks_ref(k_cache, v_cache, block_ids, 1, 3))
+    with pytest.raises(ValueError, match="out"):
+        pack_blocks(k_cache, v_cache, block_ids, 0, 3, out=out)  # 3 heads don't fit
