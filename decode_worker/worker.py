@@ -3,9 +3,12 @@
 Admission is memory reservation: `reserve` holds blocks for a prompt (or refuses, holding
 nothing) and returns the TransferDescriptor the prefill worker pushes into. A request joins
 the running batch once its KV has landed on every TP rank and its first token (sampled by
-prefill) is known. Every reservation has a deadline; a failed or late transfer, an abort or a
-finish frees the request's blocks on every rank. All engine and TP-group work happens on the
-worker's own loop thread; the public methods are thread-safe and only queue commands.
+prefill) is known. `submit` instead prefills a prompt here (when this worker's prefix cache
+already holds most of it, e.g. the next turn of a session). Every reservation has a deadline;
+a failed or late transfer, an abort or a finish frees the request's blocks on every rank.
+Outputs leave as one batch per engine step (`next_outputs`), every request's news together.
+All engine and TP-group work happens on the worker's own loop thread; the public methods are
+thread-safe and only queue commands.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -29,6 +32,7 @@ from engine.models.parallel import TensorParallel
 from engine.plan_broadcast import publish
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.scheduler_output import TokenLogprobs
 from kvtransfer.connector import Listener
 from kvtransfer.descriptor import Endpoint, TransferDescriptor
 from kvtransfer.layout import KVLayout
@@ -44,6 +48,7 @@ class _Pending:
     descriptor: TransferDescriptor
     landed: bool = False  # complete on rank 0
     first_token: int | None = None
+    logprobs: TokenLogprobs | None = None
 
 
 class DecodeWorker:
@@ -67,7 +72,9 @@ class DecodeWorker:
         self.receiver = KVReceiver(self.layout, listener, self.tp.size, kv_caches)
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._pending: dict[str, _Pending] = {}
-        self._streams: dict[str, queue.Queue[DecodeOutput]] = {}
+        self._active: set[str] = set()  # reserved or submitted, last output not yet delivered
+        self._step_outputs: list[DecodeOutput] = []
+        self._outputs: queue.Queue[tuple[DecodeOutput, ...]] = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
         self._thread.start()
@@ -87,25 +94,26 @@ class DecodeWorker:
             lambda: self._reserve(request_id, prompt_token_ids, params, sources, deadline)
         )
 
-    def start(self, request_id: str, first_token: int) -> None:
+    def start(
+        self, request_id: str, first_token: int, logprobs: TokenLogprobs | None = None
+    ) -> None:
         """The prefill side's first token: the request runs once its KV has landed."""
-        self._call(lambda: self._start(request_id, first_token))
+        self._call(lambda: self._start(request_id, first_token, logprobs))
+
+    def submit(self, request_id: str, prompt_token_ids: Sequence[int],
+               params: SamplingParams) -> bool:
+        """Prefill and decode here (prefix cache first); False, holding nothing, when full."""
+        return self._call(lambda: self._submit(request_id, prompt_token_ids, params))
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
         return self._call(lambda: self._finish(request_id, "abort", reason))
 
-    def stream(self, request_id: str, timeout: float | None = None) -> Iterator[DecodeOutput]:
-        """This request's outputs as they come, the last one finished."""
-        q = self._streams.get(request_id)
-        if q is None:
-            raise ValueError(f"request_id {request_id!r} is not reserved here")
-        while True:
-            out = q.get(timeout=timeout)
-            if out.finished:
-                self._streams.pop(request_id, None)
-            yield out
-            if out.finished:
-                return
+    def next_outputs(self, timeout: float | None = None) -> tuple[DecodeOutput, ...]:
+        """The next step's outputs (every request with news), or () after `timeout` seconds."""
+        try:
+            return self._outputs.get(timeout=timeout)
+        except queue.Empty:
+            return ()
 
     def stats(self) -> dict[str, int]:
         return self._call(self._stats)
@@ -140,10 +148,11 @@ class DecodeWorker:
     def _loop(self) -> None:
         try:
             self._serve()
-        except Exception as exc:  # end every stream with the reason rather than hang them
+        except Exception as exc:  # end every request with the reason rather than hang it
             logger.exception("decode loop failed")
-            for request_id in list(self._streams):
+            for request_id in list(self._active):
                 self._deliver(DecodeOutput(request_id, (), "error", f"decode worker died: {exc}"))
+            self._flush()
 
     def _serve(self) -> None:
         scheduler = self.core.scheduler
@@ -152,11 +161,11 @@ class DecodeWorker:
             self._settle_transfers()
             if scheduler.running or scheduler.waiting:
                 for out in self.core.step():
-                    self._deliver(DecodeOutput(out.request_id, out.new_token_ids,
-                                               out.finish_reason))
+                    self._deliver(DecodeOutput.from_core(out))
             else:
                 with contextlib.suppress(queue.Empty):
                     self._commands.get(timeout=IDLE_WAIT_S)()
+            self._flush()
 
     def _run_commands(self) -> None:
         while True:
@@ -184,16 +193,30 @@ class DecodeWorker:
             self.core.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
             raise
         self._pending[request_id] = _Pending(descriptor)
-        self._streams[request_id] = queue.Queue()
+        self._active.add(request_id)
         return descriptor
 
-    def _start(self, request_id: str, first_token: int) -> None:
+    def _submit(self, request_id, prompt_token_ids, params) -> bool:
+        scheduler = self.core.scheduler
+        if request_id in scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        num_seqs = len(scheduler.running) + len(scheduler.waiting) + len(scheduler.remote)
+        if num_seqs >= self.config.scheduler.max_num_seqs:
+            return False
+        self.core.add_request(Request(
+            request_id, tuple(prompt_token_ids), params, self.config.model.eos_token_ids
+        ))
+        self._active.add(request_id)
+        return True
+
+    def _start(self, request_id: str, first_token: int, logprobs: TokenLogprobs | None) -> None:
         pending = self._pending.get(request_id)
         if pending is None:
             raise ValueError(f"request_id {request_id!r} has no reservation here")
         if not 0 <= first_token < self.config.model.vocab_size:
             raise ValueError(f"first_token {first_token} is outside the vocabulary")
         pending.first_token = first_token
+        pending.logprobs = logprobs
 
     def _settle_transfers(self) -> None:
         """Fail what failed or expired; admit what has landed everywhere with its token."""
@@ -230,8 +253,8 @@ class DecodeWorker:
                 self._finish(rid, "error", "KV transfer failed on another TP rank")
                 continue
             pending = self._pending.pop(rid)
-            out = self.core.scheduler.admit_remote(rid, pending.first_token)
-            self._deliver(DecodeOutput(rid, out.new_token_ids, out.finish_reason))
+            out = self.core.scheduler.admit_remote(rid, pending.first_token, pending.logprobs)
+            self._deliver(DecodeOutput.from_core(out))
 
     def _finish(self, request_id: str, reason: str, detail: str) -> bool:
         """End a request now (abort / error), freeing its blocks on every rank."""
@@ -249,17 +272,29 @@ class DecodeWorker:
         return found
 
     def _deliver(self, out: DecodeOutput) -> None:
-        q = self._streams.get(out.request_id)  # kept until its reader takes the last output
-        if q is not None:
-            q.put(out)
+        if out.request_id in self._active:  # at most one last output per request
+            self._step_outputs.append(out)
+            if out.finished:
+                self._active.discard(out.request_id)
+
+    def _flush(self) -> None:
+        if self._step_outputs:
+            self._outputs.put(tuple(self._step_outputs))
+            self._step_outputs = []
 
     def _stats(self) -> dict[str, int]:
-        kv = self.core.kv_cache
+        kv, scheduler = self.core.kv_cache, self.core.scheduler
         return {
             "num_blocks": kv.pool.num_blocks,
             "num_free_blocks": kv.num_free_blocks,
-            "num_running": len(self.core.scheduler.running),
+            "num_used_blocks": kv.pool.num_blocks - kv.num_free_blocks,
+            "num_cached_blocks": kv.pool.num_cached_blocks,
+            "num_running": len(scheduler.running),
+            "num_waiting": len(scheduler.waiting),
             "num_reserved": len(self._pending),
+            "max_num_seqs": self.config.scheduler.max_num_seqs,
+            "block_size": self.config.cache.block_size,
+            "tp_size": self.tp.size,
         }
 
     def _shutdown(self) -> None:

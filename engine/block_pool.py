@@ -2,6 +2,13 @@
 
 Free blocks sit in one LRU queue, least recently freed first. A freed block keeps its hash
 (it stays a prefix-cache hit) until allocation reuses it, which evicts the hash. No torch.
+
+Optionally (`record_events=True` or `enable_events()`; off by default, so an offline engine
+accumulates nothing) the pool records which hashes entered and left the cache, for the
+cluster's prefix index. `drain_events()` returns the net effect since the last drain as two
+disjoint lists, `(stored, evicted)`: applying "remove evicted, then add stored" to the set
+as of the previous drain gives exactly the current cache (stored-then-evicted ends up evicted,
+evicted-then-stored ends up stored). Pair it with `cached_hashes()` for a full snapshot.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, record_events: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -33,6 +40,9 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
         self.num_evictions = 0
+        # hash -> True (stored) / False (evicted), last event wins, in order of last event;
+        # None while recording is off
+        self._events: dict[BlockHash, bool] | None = {} if record_events else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -93,10 +103,35 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block.block_id
+        if self._events is not None:
+            self._record(block_hash, True)
+
+    def enable_events(self) -> None:
+        """Start recording stored/evicted events (hashes cached before are not replayed)."""
+        if self._events is None:
+            self._events = {}
+
+    def drain_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        """(stored, evicted) since the last drain, net: apply SREM evicted, then SADD stored."""
+        if not self._events:
+            return [], []
+        events, self._events = self._events, {}
+        stored = [h for h, is_stored in events.items() if is_stored]
+        evicted = [h for h, is_stored in events.items() if not is_stored]
+        return stored, evicted
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash currently in the prefix cache (a copy)."""
+        return list(self._cached)
 
     def reset_prefix_cache(self) -> None:
         for block in self._blocks:
             self._evict(block)
+
+    def _record(self, block_hash: BlockHash, stored: bool) -> None:
+        assert self._events is not None
+        self._events.pop(block_hash, None)  # re-insert: order follows the latest event
+        self._events[block_hash] = stored
 
     def _evict(self, block: Block) -> None:
         if block.block_hash is None:
@@ -104,5 +139,7 @@ class BlockPool:
         if self._cached.get(block.block_hash) == block.block_id:
             del self._cached[block.block_hash]
             self.num_evictions += 1
+            if self._events is not None:
+                self._record(block.block_hash, False)
         block.block_hash = None
         block.token_ids = ()

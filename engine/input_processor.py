@@ -40,6 +40,8 @@ def chat_prompt(messages: Sequence[dict[str, str]], tokenizer: Any) -> list[int]
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError(f"messages[{i}] must be a dict with a string 'role'")
+        if not message["role"]:
+            raise ValueError(f"messages[{i}].role must not be empty")
         if not isinstance(message.get("content"), str):
             raise ValueError(f"messages[{i}].content must be a string")
     if not getattr(tokenizer, "chat_template", None):

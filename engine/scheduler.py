@@ -89,7 +89,9 @@ class Scheduler:
         self.remote[request.request_id] = request
         return self.kv_cache.block_ids(request.request_id)
 
-    def admit_remote(self, request_id: str, first_token: int) -> EngineCoreOutput:
+    def admit_remote(
+        self, request_id: str, first_token: int, logprobs: TokenLogprobs | None = None
+    ) -> EngineCoreOutput:
         """The prompt's KV has landed: run the request from its first token on."""
         request = self.remote.pop(request_id)
         request.num_computed_tokens = request.num_prompt_tokens
@@ -97,7 +99,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.kv_cache.cache_computed_blocks(request)
         self.running.append(request)
-        return self._append_token(request, first_token, None)
+        return self._append_token(request, first_token, logprobs)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens

@@ -1,9 +1,26 @@
-"""pdserve: disaggregated prefill/decode LLM serving. Offline API: LLM, SamplingParams."""
+"""pdserve: disaggregated prefill/decode LLM serving.
+
+Offline: `LLM`, `SamplingParams`. Online (gRPC): `Client`, `AsyncClient`. Attributes load on
+first use, so the router and the client never import torch.
+"""
 
 from __future__ import annotations
 
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from pdserve.llm import LLM
+import importlib
+from typing import Any
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+_EXPORTS = {
+    "LLM": "pdserve.llm",
+    "RequestOutput": "engine.outputs",
+    "SamplingParams": "engine.sampling_params",
+    "Client": "pdserve.client",
+    "AsyncClient": "pdserve.client",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pdserve' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

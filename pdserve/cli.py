@@ -1,111 +1,147 @@
-"""The `pdserve` command line: generate | chat (offline, in this process, for now)."""
+"""The `pdserve` command line.
+
+    pdserve up                      Redis + Ray workers + router on this machine (Ctrl-C stops)
+    pdserve generate "prompt"       stream an answer from a running service
+    pdserve chat                    multi-turn conversation on one session
+
+Every `up` setting is a flag, a PDSERVE_* variable and a config-file key (pdserve/settings.py).
+The client commands read --address / PDSERVE_ADDRESS (default 127.0.0.1:50051).
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import os
+import signal
 import sys
+import uuid
 from collections.abc import Sequence
 
-from engine.default_model import DEFAULT_MODEL
-from engine.sampling_params import SamplingParams
+from pdserve.settings import ServeSettings
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
-def _engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="HF directory or known name")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--kv-cache-gib", type=float, default=0.5, help="KV cache budget")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="run the service on this machine")
+    ServeSettings.add_arguments(up)
+    gen = sub.add_parser("generate", help="stream an answer to one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--raw", action="store_true", help="plain completion, no chat template")
+    _client_args(gen)
+    chat = sub.add_parser("chat", help="multi-turn conversation on stdin/stdout")
+    chat.add_argument("--session-id", default=None, help="resume a session (default: new)")
+    _client_args(chat)
+    return parser
+
+
+def _client_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", default=os.environ.get("PDSERVE_ADDRESS", DEFAULT_ADDRESS),
+                        help="router address (env PDSERVE_ADDRESS)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("-v", "--verbose", action="store_true")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="stream an answer to one prompt")
-    gen.add_argument("prompt")
-    gen.add_argument("--raw", action="store_true", help="no chat template: plain completion")
-    _engine_args(gen)
-    chat = sub.add_parser("chat", help="multi-turn conversation on stdin/stdout")
-    _engine_args(chat)
-    return parser
-
-
-def _make_llm(args: argparse.Namespace):
-    from pdserve.llm import LLM
-
-    return LLM(
-        model=args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30),
-        num_threads=args.threads,
-    )
-
-
-def _params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        seed=args.seed,
-    )
-
-
-def _stream(llm, prompt, params: SamplingParams) -> str:
-    """Run one request, writing text deltas to stdout as they come."""
-    engine = llm.engine
-    engine.add_request("cli", prompt, params)
-    text = ""
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            sys.stdout.write(out.delta_text)
-            sys.stdout.flush()
-            text = out.text
-    sys.stdout.write("\n")
-    return text
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    parser.add_argument("--wait", type=float, default=0.0,
+                        help="seconds to wait for the service to become ready")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
+        level=logging.INFO if args.verbose or args.command == "up" else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    try:
-        params = _params(args)
-        llm = _make_llm(args)
-        if args.command == "generate":
-            prompt = args.prompt
-            if not args.raw:
-                from engine.input_processor import chat_prompt
+    from pdserve.client import PdserveError
 
-                prompt = chat_prompt([{"role": "user", "content": prompt}], llm.tokenizer)
-            _stream(llm, prompt, params)
-            return 0
-        return _chat(llm, params)
+    try:
+        if args.command == "up":
+            return asyncio.run(_up(ServeSettings.load(args)))
+        return _generate(args) if args.command == "generate" else _chat(args)
     except ValueError as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
+    except PdserveError as exc:
+        print(f"pdserve: {exc.code.name}: {exc}", file=sys.stderr)
+        return 1
 
 
-def _chat(llm, params: SamplingParams) -> int:
-    from engine.input_processor import chat_prompt
+async def _up(settings: ServeSettings) -> int:
+    from pdserve.service import Service
 
+    service = Service(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await service.start()
+        print(f"pdserve is serving {settings.model} on {service.address} "
+              f"(metrics: http://{settings.host}:{service.metrics_port}/metrics); "
+              "Ctrl-C stops it", flush=True)
+        await stop.wait()
+    finally:
+        print("pdserve: stopping", file=sys.stderr, flush=True)
+        await service.stop()
+    return 0
+
+
+def _sampling(args: argparse.Namespace):
+    from engine.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, seed=args.seed)
+
+
+def _stream(client, args, **request) -> str:
+    """One request, its text written to stdout as it streams; the whole text."""
+    text = ""
+    for chunk in client.generate(sampling=_sampling(args), timeout=args.timeout, **request):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        text += chunk.text
+    sys.stdout.write("\n")
+    return text
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pdserve.client import Client
+
+    with Client(args.address) as client:
+        if args.wait:
+            client.wait_ready(args.wait)
+        if args.raw:
+            _stream(client, args, prompt=args.prompt)
+        else:
+            _stream(client, args, messages=[{"role": "user", "content": args.prompt}])
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from pdserve.client import Client
+
+    session_id = args.session_id or f"chat-{uuid.uuid4().hex[:12]}"
     messages: list[dict[str, str]] = []
-    while True:
-        try:
-            line = input("> ")
-        except (EOFError, KeyboardInterrupt):
-            return 0
-        if not line.strip():
-            continue
-        messages.append({"role": "user", "content": line})
-        reply = _stream(llm, chat_prompt(messages, llm.tokenizer), params)
-        messages.append({"role": "assistant", "content": reply})
+    with Client(args.address) as client:
+        if args.wait:
+            client.wait_ready(args.wait)
+        while True:
+            try:
+                line = input("> ")
+            except (EOFError, KeyboardInterrupt):
+                return 0
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line})
+            reply = _stream(client, args, messages=messages, session_id=session_id)
+            messages.append({"role": "assistant", "content": reply})
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ uncached tokens are computed, yet every block the decode side reserved is sent).
 where a request's last chunk runs, its blocks are pushed layer by layer while later layers
 compute: all requests of the step going to one decode rank travel as one message per layer.
 The first token is the result. Blocks are released (kept in the prefix cache) only after
-their bytes have left. All engine work happens on the worker's loop thread.
+their bytes have left. After every loop iteration the block pool's stored/evicted hashes go
+to the prefix index publisher (snapshots when it asks: prefill_worker/prefix_events.py). All
+engine work happens on the worker's loop thread.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
@@ -22,19 +25,35 @@ from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.scheduler_output import TokenLogprobs
 from kvtransfer.connector import Connector
 from kvtransfer.descriptor import TransferDescriptor
 from kvtransfer.errors import ErrorCode, TransferError
 from kvtransfer.layout import KVLayout
 from kvtransfer.sender import KVSender, PushHandle, PushPlan
+from prefill_worker.prefix_events import PrefixIndexPublisher
 
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.005
 
+@dataclasses.dataclass(frozen=True)
+class PrefillResult:
+    first_token: int
+    logprobs: TokenLogprobs | None  # of the first token, when asked
+    num_cached_tokens: int  # prompt tokens served from this worker's prefix cache
+    transfer_bytes: int
+    transfer_s: float  # first layer pushed -> every byte acknowledged
+
 
 class PrefillWorker:
-    def __init__(self, config: EngineConfig, connector: Connector, model_name: str) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        connector: Connector,
+        model_name: str,
+        publisher: PrefixIndexPublisher | None = None,
+    ) -> None:
         self.core = EngineCore(config)
         self.config = self.core.config
         self.layout = KVLayout.from_model_config(
@@ -45,7 +64,10 @@ class PrefillWorker:
         self.endpoint = connector.source
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._descriptors: dict[str, TransferDescriptor] = {}
-        self._results: dict[str, Future[int]] = {}
+        self._results: dict[str, Future[PrefillResult]] = {}
+        self.publisher = publisher
+        if publisher is not None:
+            self.core.kv_cache.pool.enable_events()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="prefill-loop", daemon=True)
         self._thread.start()
@@ -56,7 +78,7 @@ class PrefillWorker:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         descriptor: TransferDescriptor,
-    ) -> Future[int]:
+    ) -> Future[PrefillResult]:
         """Queue a prompt; the future gives its first token once its KV has been pushed."""
         if self._stop.is_set():
             raise RuntimeError("prefill worker is closed")
@@ -66,7 +88,7 @@ class PrefillWorker:
             raise ValueError(
                 f"descriptor reserves {descriptor.num_blocks} blocks, the prompt needs {num_blocks}"
             )
-        result: Future[int] = Future()
+        result: Future[PrefillResult] = Future()
         first_token_only = dataclasses.replace(params, max_tokens=1, stop=())
         request = Request(request_id, tuple(prompt_token_ids), first_token_only,
                           self.config.model.eos_token_ids)
@@ -79,11 +101,19 @@ class PrefillWorker:
         self._commands.put(add)
         return result
 
+    def abort(self, request_id: str) -> None:
+        """Drop a queued or half-prefilled prompt; its future fails. Unknown ids are ignored."""
+        self._commands.put(
+            lambda: self._fail([request_id], RuntimeError(f"request {request_id} aborted"))
+        )
+
     def stats(self) -> dict[str, int]:
-        kv = self.core.kv_cache
+        kv, scheduler = self.core.kv_cache, self.core.scheduler
         return {"num_blocks": kv.pool.num_blocks, "num_free_blocks": kv.num_free_blocks,
+                "num_used_blocks": kv.pool.num_blocks - kv.num_free_blocks,
                 "num_cached_blocks": kv.pool.num_cached_blocks,
-                "num_computed_tokens": self.core.scheduler.stats.num_computed_tokens}
+                "num_running": len(scheduler.running), "num_waiting": len(scheduler.waiting),
+                "num_computed_tokens": scheduler.stats.num_computed_tokens}
 
     def close(self) -> None:
         self._stop.set()
@@ -111,6 +141,7 @@ class PrefillWorker:
             else:
                 with contextlib.suppress(queue.Empty):
                     self._commands.get(timeout=IDLE_WAIT_S)()
+            self._publish_cache_events()
 
     def _step(self) -> None:
         plan = self.core.scheduler.schedule()
@@ -119,8 +150,10 @@ class PrefillWorker:
             [(self._descriptors[e.request_id], e.block_ids) for e in finals]
         )
         handles: list[PushHandle] = []
+        first_push: list[float] = []
 
         def push(layer: int) -> None:
+            first_push.append(time.perf_counter())
             handles.extend(self.sender.push_layer(layer, p) for p in pushes)
 
         try:
@@ -131,15 +164,32 @@ class PrefillWorker:
             self._fail([e.request_id for e in plan.requests], exc)
             return
         failed = self._complete(pushes, handles)
+        transfer_s = time.perf_counter() - first_push[0] if first_push else 0.0
         for out in self.core.scheduler.update(plan, result):
             future = self._results.pop(out.request_id, None)
-            self._descriptors.pop(out.request_id, None)
+            descriptor = self._descriptors.pop(out.request_id, None)
             if future is None:
                 continue
             if out.request_id in failed:
                 future.set_exception(failed[out.request_id])
             else:
-                future.set_result(out.new_token_ids[0])
+                layout = self.layout
+                nbytes = descriptor.num_blocks * layout.num_layers * layout.block_nbytes(
+                    layout.num_kv_heads)
+                future.set_result(PrefillResult(
+                    out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None,
+                    max(out.num_cached_tokens, 0), nbytes, transfer_s,
+                ))
+
+    def _publish_cache_events(self) -> None:
+        if self.publisher is None:
+            return
+        pool = self.core.kv_cache.pool
+        stored, evicted = pool.drain_events()
+        if stored or evicted:
+            self.publisher.publish(stored, evicted)
+        if self.publisher.needs_snapshot:
+            self.publisher.snapshot(pool.cached_hashes())
 
     def _complete(
         self, pushes: list[PushPlan], handles: list[PushHandle]

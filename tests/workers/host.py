@@ -21,7 +21,7 @@ from engine.sampling_params import SamplingParams
 from kvtransfer.descriptor import Endpoint, TransferDescriptor
 from kvtransfer.rendezvous import GlooConnector, GlooListener
 from prefill_worker.worker import PrefillWorker
-from tests.workers.pd import MODEL_NAME, engine_config
+from tests.workers.pd import MODEL_NAME, Streams, engine_config
 
 
 def answer(**body) -> None:
@@ -54,7 +54,7 @@ def serve_prefill(cfg: dict) -> None:
             answer(ok=True)
         elif cmd["op"] == "result":
             try:
-                answer(first_token=futures.pop(cmd["id"]).result(timeout=60))
+                answer(first_token=futures.pop(cmd["id"]).result(timeout=60).first_token)
             except Exception as exc:
                 answer(error=str(exc))
         elif cmd["op"] == "stats":
@@ -84,6 +84,7 @@ def serve_decode(cfg: dict) -> None:
     if worker is None:
         return
     answer(ready=True, endpoint=[listener.endpoint.host, listener.endpoint.port, 0])
+    streams = Streams(worker)
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "reserve":
@@ -95,10 +96,7 @@ def serve_decode(cfg: dict) -> None:
             worker.start(cmd["id"], cmd["first_token"])
             answer(ok=True)
         elif cmd["op"] == "collect":
-            tokens, last = [], None
-            for out in worker.stream(cmd["id"], timeout=120):
-                tokens.extend(out.token_ids)
-                last = out
+            tokens, last = streams.collect(cmd["id"], timeout=120)
             answer(tokens=tokens, finish_reason=last.finish_reason, error=last.error)
         elif cmd["op"] == "stats":
             answer(**worker.stats())

@@ -3,7 +3,11 @@ prefill into the reservation, start decode with the first token, stream the rest
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
+import weakref
+from collections import defaultdict
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, load_model_config
 from engine.sampling_params import SamplingParams
@@ -20,6 +24,42 @@ def engine_config(model_dir, num_blocks: int = 256, block_size: int = 16) -> Eng
     )
 
 
+class Streams:
+    """Per-request views of a decode worker's step batches (the router does this over gRPC)."""
+
+    def __init__(self, decode) -> None:
+        self.decode = decode
+        self._lock = threading.Lock()
+        self._queues: dict[str, queue.Queue] = defaultdict(queue.Queue)
+
+    def collect(self, request_id: str, timeout: float = 60.0):
+        """(every token id, the last output) of one request."""
+        deadline, tokens = time.monotonic() + timeout, []
+        while time.monotonic() < deadline:
+            with self._lock:
+                q = self._queues[request_id]
+                if q.empty():  # one reader at a time pulls the next batch and sorts it
+                    for out in self.decode.next_outputs(timeout=0.05):
+                        self._queues[out.request_id].put(out)
+            while not q.empty():
+                out = q.get()
+                tokens.extend(out.token_ids)
+                if out.finished:
+                    with self._lock:
+                        self._queues.pop(request_id, None)
+                    return tokens, out
+        raise TimeoutError(f"{request_id}: no last output within {timeout} s")
+
+
+_STREAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def streams(decode) -> Streams:
+    if decode not in _STREAMS:
+        _STREAMS[decode] = Streams(decode)
+    return _STREAMS[decode]
+
+
 def generate_pd(prefill, decode, request_id, prompt, params: SamplingParams, timeout=60.0):
     """Token ids of one request served disaggregated; raises on refusal or failure."""
     deadline = time.time() + timeout
@@ -27,11 +67,8 @@ def generate_pd(prefill, decode, request_id, prompt, params: SamplingParams, tim
     if descriptor is None:
         raise RuntimeError(f"{request_id}: decode refused the reservation")
     first = prefill.prefill(request_id, prompt, params, descriptor).result(timeout)
-    decode.start(request_id, first)
-    tokens, last = [], None
-    for out in decode.stream(request_id, timeout=timeout):
-        tokens.extend(out.token_ids)
-        last = out
+    decode.start(request_id, first.first_token, first.logprobs)
+    tokens, last = streams(decode).collect(request_id, timeout)
     if last.finish_reason == "error":
         raise RuntimeError(f"{request_id}: {last.error}")
     return tokens

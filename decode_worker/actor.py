@@ -1,0 +1,139 @@
+"""DecodeRankActor: one rank of a decode tensor-parallel group as a Ray actor.
+
+Bootstrap, driven by the launcher (every rank lives in one placement group, so on one node):
+    rank 0   __init__ binds the TP group's TCPStore and its KV listener (which hosts the KV
+             rendezvous store), both on `spec.host` only; `rendezvous()` reports their ports
+    all      start(rendezvous) forms the TP group over gloo and calls `start_decode_rank`:
+             rank 0 serves its DecodeWorker over gRPC and returns the address; the other
+             ranks follow rank 0 in a thread and return None at once
+The actor must run with max_concurrency >= 2, so `ping` answers while a rank follows.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from decode_worker.group import start_decode_rank
+from decode_worker.service import DecodeService
+from engine.models.parallel import TensorParallel
+from engine.worker_spec import WorkerSpec
+from kvtransfer.descriptor import Endpoint
+from kvtransfer.rendezvous import GlooListener
+from prefill_worker.actor import loop_alive
+
+logger = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 120.0  # every rank joins within this (each loads its shard first)
+# A follower blocks in a broadcast for as long as rank 0 has nothing to say, so collectives
+# must not time out while the group idles; a dead peer still fails them at once (its socket
+# closes) and a hung one is the supervisor's to find (it pings every rank).
+COLLECTIVE_TIMEOUT = timedelta(days=365)
+
+
+def tp_group(store: dist.Store, host: str, rank: int, size: int) -> Any:
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = COLLECTIVE_TIMEOUT
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(dist.PrefixStore("tp", store), rank, size, opts)
+
+
+class DecodeRankActor:
+    def __init__(self, spec: dict[str, Any], rank: int, tp_size: int) -> None:
+        if not 0 <= rank < tp_size:
+            raise ValueError(f"rank {rank} is not in a TP group of {tp_size}")
+        self.spec = WorkerSpec.from_dict(spec).with_resolved_host()
+        self.rank, self.tp_size = rank, tp_size
+        self.timeout = timedelta(seconds=CONNECT_TIMEOUT_S)
+        self.service: DecodeService | None = None
+        self.listener: GlooListener | None = None
+        self.tp_store: dist.TCPStore | None = None
+        self.follower: threading.Thread | None = None
+        self.follower_error: BaseException | None = None
+        if rank == 0:
+            self.listener = GlooListener(self.spec.host, rank=0,
+                                         connect_timeout_s=CONNECT_TIMEOUT_S)
+            if tp_size > 1:
+                sock = socket.create_server((self.spec.host, 0), backlog=128)
+                # TCPStore takes the bound socket, so the store listens on spec.host only.
+                self.tp_store = dist.TCPStore(
+                    self.spec.host, sock.getsockname()[1], None, True, timeout=self.timeout,
+                    wait_for_workers=False, master_listen_fd=sock.detach(),
+                )
+
+    def rendezvous(self) -> dict[str, Any]:
+        """Rank 0: where the other ranks join (`start`'s argument)."""
+        if self.rank != 0:
+            raise ValueError("only rank 0 hosts the rendezvous")
+        return {
+            "host": self.spec.host, "kv_port": self.listener.endpoint.port,
+            "tp_port": self.tp_store.port if self.tp_store is not None else None,
+        }
+
+    def start(self, rendezvous: dict[str, Any]) -> str | None:
+        """Rank 0: its gRPC address once serving. Other ranks: None (they follow in a thread)."""
+        host, kv_port = rendezvous["host"], int(rendezvous["kv_port"])
+        tp = TensorParallel()
+        if self.tp_size > 1:
+            store = self.tp_store or dist.TCPStore(
+                host, int(rendezvous["tp_port"]), None, False, timeout=self.timeout,
+                wait_for_workers=False,
+            )
+            group = tp_group(store, self.spec.host, self.rank, self.tp_size)
+            tp = TensorParallel(self.rank, self.tp_size, group)
+        if self.listener is None:
+            self.listener = GlooListener(self.spec.host, rank=self.rank, port=kv_port,
+                                         host_store=False, connect_timeout_s=CONNECT_TIMEOUT_S)
+        endpoints = [Endpoint(host, kv_port, r) for r in range(self.tp_size)]
+        args = (self.spec.engine_config(), tp, self.listener, endpoints, self.spec.model_name)
+        if self.rank == 0:
+            worker = start_decode_rank(*args)
+            self.service = DecodeService(worker, self.spec.worker_id, self.spec.host)
+            return self.service.address
+        self.follower = threading.Thread(target=self._follow, args=args,
+                                         name=f"decode-rank-{self.rank}", daemon=True)
+        self.follower.start()
+        return None
+
+    def ping(self) -> str | None:
+        """Rank 0: its address; others: None. Raises when this rank can no longer serve."""
+        if self.rank == 0:
+            if self.service is None or not loop_alive(self.service.worker):
+                raise RuntimeError(f"decode worker {self.spec.worker_id}: not serving")
+            return self.service.address
+        if self.follower is None or not self.follower.is_alive():
+            reason = self.follower_error or "not following rank 0"
+            raise RuntimeError(f"decode worker {self.spec.worker_id} rank {self.rank}: {reason}")
+        return None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Rank 0 stops the whole group; a follower only waits for that to reach it."""
+        if self.service is not None:
+            self.service.stop()
+            self.service = None
+        elif self.follower is not None:
+            self.follower.join(timeout_s)
+        if self.rank == 0 and self.listener is not None:
+            self.listener.close()
+        self.tp_store = None
+
+    def _follow(self, *args: Any) -> None:
+        try:
+            start_decode_rank(*args)
+        except BaseException as exc:  # ping reports it; the supervisor restarts the group
+            logger.exception("decode worker %s rank %d failed", self.spec.worker_id, self.rank)
+            self.follower_error = exc

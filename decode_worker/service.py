@@ -1,0 +1,112 @@
+"""The decode worker's gRPC service (proto/worker.proto `DecodeWorker`), served by TP rank 0.
+
+`Outputs` is one long-lived stream per router: each message is one engine step's news for
+every request, so a batch of 64 costs one message per step, not 64.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+
+import grpc
+
+from decode_worker.outputs import DecodeOutput
+from decode_worker.worker import DecodeWorker
+from engine.wire import logprobs_from_proto, logprobs_to_proto, sampling_from_proto
+from kvtransfer.descriptor import Endpoint
+from proto import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+MAX_RPC_THREADS = 32
+POLL_S = 0.1  # how often an idle Outputs stream checks that its reader is still there
+
+
+def delta_to_proto(out: DecodeOutput) -> worker_pb2.RequestDelta:
+    return worker_pb2.RequestDelta(
+        request_id=out.request_id, token_ids=list(out.token_ids),
+        logprobs=[logprobs_to_proto(lp) for lp in out.logprobs],
+        finish_reason=out.finish_reason or "", error=out.error or "",
+        stop_reason="" if out.stop_reason is None else str(out.stop_reason),
+        num_cached_tokens=out.num_cached_tokens,
+    )
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, worker: DecodeWorker, worker_id: str) -> None:
+        self.worker, self.worker_id = worker, worker_id
+
+    def Reserve(self, request, context):
+        sources = [Endpoint(s.host, s.port, s.rank) for s in request.sources]
+        descriptor = self._checked(context, lambda: self.worker.reserve(
+            request.request_id, list(request.prompt_token_ids),
+            sampling_from_proto(request.sampling, default_max_tokens=1), sources,
+            request.deadline,
+        ))
+        if descriptor is None:
+            return worker_pb2.ReserveResponse(granted=False)
+        return worker_pb2.ReserveResponse(granted=True, descriptor=descriptor.encode())
+
+    def Start(self, request, context):
+        logprobs = logprobs_from_proto(request.logprob) if request.HasField("logprob") else None
+        self._checked(context, lambda: self.worker.start(
+            request.request_id, request.first_token_id, logprobs))
+        return worker_pb2.StartResponse()
+
+    def Submit(self, request, context):
+        granted = self._checked(context, lambda: self.worker.submit(
+            request.request_id, list(request.prompt_token_ids),
+            sampling_from_proto(request.sampling, default_max_tokens=1),
+        ))
+        return worker_pb2.SubmitResponse(granted=granted)
+
+    def Outputs(self, request, context):
+        context.send_initial_metadata(())  # the reader knows it is connected before any step
+        while context.is_active():
+            batch = self.worker.next_outputs(timeout=POLL_S)
+            if batch:
+                yield worker_pb2.StepOutputs(deltas=[delta_to_proto(out) for out in batch])
+
+    def Abort(self, request, context):
+        found = self._checked(context, lambda: self.worker.abort(request.request_id))
+        return worker_pb2.WorkerAbortResponse(found=found)
+
+    def GetLoad(self, request, context):
+        s = self._checked(context, self.worker.stats)
+        return worker_pb2.WorkerLoad(
+            worker_id=self.worker_id, num_blocks=s["num_blocks"],
+            num_free_blocks=s["num_free_blocks"], num_used_blocks=s["num_used_blocks"],
+            num_running=s["num_running"], num_waiting=s["num_waiting"] + s["num_reserved"],
+            num_cached_blocks=s["num_cached_blocks"], max_num_seqs=s["max_num_seqs"],
+            block_size=s["block_size"], tp_size=s["tp_size"],
+        )
+
+    @staticmethod
+    def _checked(context, call):
+        try:
+            return call()
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RuntimeError as exc:  # the worker is closed or its loop died
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+
+class DecodeService:
+    """Rank 0's DecodeWorker behind its gRPC server; `address` is what the router dials."""
+
+    def __init__(self, worker: DecodeWorker, worker_id: str, host: str) -> None:
+        self.worker = worker
+        self.server = grpc.server(futures.ThreadPoolExecutor(MAX_RPC_THREADS,
+                                                             thread_name_prefix="decode-rpc"))
+        self.port = self.server.add_insecure_port(f"{host}:0")
+        self.address = f"{host}:{self.port}"
+        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
+            DecodeServicer(worker, worker_id), self.server
+        )
+        self.server.start()
+        logger.info("decode worker %s serving on %s", worker_id, self.address)
+
+    def stop(self) -> None:
+        self.server.stop(grace=1.0).wait()
+        self.worker.close()

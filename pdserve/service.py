@@ -1,0 +1,151 @@
+"""Service: everything `pdserve up` runs — Redis, Ray workers, the router, metrics, supervision.
+
+Embedded default: a bundled redis-server, a local Ray head, 1 prefill + 1 decode worker on
+the bundled SmolLM2, the router on 127.0.0.1:50051 and metrics on 127.0.0.1:9400. Point
+`ray_address` / `redis_url` elsewhere and the same code runs against a real cluster.
+`stop()` stops exactly what `start()` started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+from pdserve.settings import ServeSettings
+
+logger = logging.getLogger(__name__)
+
+
+class Service:
+    def __init__(self, settings: ServeSettings) -> None:
+        self.settings = settings
+        self.redis = None  # the bundled server, when we started one
+        self.pool = None
+        self.store = None
+        self.router_server = None
+        self.metrics = None
+        self.metrics_port: int | None = None
+        self._supervisor: asyncio.Task | None = None
+        self._started_ray = False
+
+    @property
+    def address(self) -> str:
+        return self.router_server.address
+
+    async def start(self) -> None:
+        from engine.default_model import resolve_model
+
+        s = self.settings
+        model_path = str(await asyncio.to_thread(resolve_model, s.model))
+        model_name = s.model if not Path(s.model).is_dir() else Path(s.model).name
+        redis_url = s.redis_url or await asyncio.to_thread(self._start_redis)
+        self._start_ray()  # on this thread: Ray's driver wants the main thread
+        self.pool = self._make_pool(model_path, model_name, redis_url)
+        infos = await asyncio.to_thread(self.pool.start)
+        await self._start_router(model_path, model_name, redis_url, infos)
+
+    async def stop(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            await asyncio.gather(self._supervisor, return_exceptions=True)
+        if self.router_server is not None:
+            await self.router_server.stop()
+        if self.metrics is not None:
+            self.metrics.stop_http()
+        if self.store is not None:
+            await self.store.close()
+        if self.pool is not None:
+            await asyncio.to_thread(self.pool.shutdown)
+        if self._started_ray:
+            from pdserve.cluster import stop_ray
+
+            stop_ray()
+        if self.redis is not None:
+            self.redis.stop()
+
+    def _start_redis(self) -> str:
+        from pdserve.redis_server import RedisServer
+
+        self.redis = RedisServer(host=self.settings.host, password=self.settings.redis_password)
+        self.redis.start()
+        logger.info("started redis-server on %s:%d", self.redis.host, self.redis.port)
+        return self.redis.url
+
+    def _start_ray(self) -> None:
+        import ray
+
+        from pdserve.cluster import start_ray
+
+        if ray.is_initialized():
+            return
+        s = self.settings
+        need = s.prefill_workers * self._threads("prefill") + (
+            s.decode_workers * s.decode_tp * self._threads("decode"))
+        start_ray(s.ray_address,
+                  resources={"prefill": s.prefill_workers, "decode": s.decode_workers},
+                  num_cpus=max(os.cpu_count() or 1, need), tmpdir=None)
+        self._started_ray = True
+
+    def _threads(self, role: str) -> int:
+        given = getattr(self.settings, f"{role}_threads")
+        return given or max(1, (os.cpu_count() or 2) // 2)  # the two pools split the cores
+
+    def _make_pool(self, model_path: str, model_name: str, redis_url: str):
+        from engine.worker_spec import WorkerSpec
+        from pdserve.cluster import WorkerPool
+
+        s = self.settings
+
+        def spec(worker_id: str, role: str) -> WorkerSpec:
+            return WorkerSpec(
+                worker_id=worker_id, model=model_path, model_name=model_name, dtype=s.dtype,
+                max_model_len=s.max_model_len, block_size=s.block_size,
+                kv_cache_memory_bytes=s.kv_cache_memory_bytes, num_kv_blocks=s.num_kv_blocks,
+                kv_cache_dtype=s.kv_cache_dtype, enable_prefix_caching=s.enable_prefix_caching,
+                max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                device=s.device, kernel_backend=s.kernel_backend, seed=s.seed,
+                num_threads=self._threads(role), host=s.worker_host,
+                redis_url=redis_url if role == "prefill" else None,
+                redis_password=s.redis_password, redis_namespace=s.redis_namespace,
+            )
+
+        return WorkerPool(
+            prefill=[spec(f"prefill-{i}", "prefill") for i in range(s.prefill_workers)],
+            decode=[spec(f"decode-{i}", "decode") for i in range(s.decode_workers)],
+            decode_tp=s.decode_tp,
+            gpus=s.device.startswith("cuda"),
+        )
+
+    async def _start_router(self, model_path, model_name, redis_url, infos) -> None:
+        from router.metrics import RouterMetrics
+        from router.router import Router, RouterConfig
+        from router.server import RouterServer
+        from router.store import RedisStore
+        from router.validation import ModelContext
+
+        s = self.settings
+        model = await asyncio.to_thread(ModelContext.load, model_path, model_name, s.dtype,
+                                        s.max_model_len)
+        self.store = RedisStore(redis_url, s.redis_password, s.redis_namespace,
+                                session_ttl_s=s.session_ttl_s)
+        self.metrics = RouterMetrics()
+        config = RouterConfig(
+            block_size=s.block_size, max_inflight_requests=s.max_inflight_requests,
+            max_queued_requests=s.max_queued_requests,
+            kv_transfer_timeout_s=s.kv_transfer_timeout_s,
+            max_local_prefill_tokens=s.max_local_prefill_tokens,
+        )
+        router = Router(model, config, self.metrics, self.store)
+        for info in infos:
+            await router.add_worker(info.worker_id, info.role, info.address)
+        self.router_server = RouterServer(router, s.host, s.port)
+        self.metrics_port = self.metrics.start_http(s.host, s.metrics_port)
+        await self.router_server.start()
+
+        async def on_up(info) -> None:
+            await router.add_worker(info.worker_id, info.role, info.address)
+
+        self._supervisor = asyncio.create_task(
+            self.pool.supervise(on_up, router.mark_down), name="worker-supervisor")

@@ -1,0 +1,155 @@
+"""ServeSettings: every knob of `pdserve up`, each with a flag, an env var and a config key.
+
+One table (the dataclass fields) drives all three: the field `max_num_seqs` is the flag
+`--max-num-seqs`, the variable `PDSERVE_MAX_NUM_SEQS` and the YAML key `max_num_seqs`.
+Precedence: flag > environment > config file (`--config` / `PDSERVE_CONFIG`) > default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "PDSERVE_"
+
+
+def _opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    # model and engine (each worker)
+    model: str = _opt("smollm2-135m", "HF model directory or a bundled name")
+    dtype: str = _opt("float32", "weights and KV dtype: float32 | bfloat16 | float16")
+    max_model_len: int | None = _opt(None, "context window (default: the model's)")
+    block_size: int = _opt(16, "tokens per KV block")
+    kv_cache_memory_bytes: int = _opt(1 << 30, "KV cache budget per worker, bytes")
+    num_kv_blocks: int | None = _opt(None, "KV blocks per worker (overrides the budget)")
+    kv_cache_dtype: str = _opt("auto", "auto | int8")
+    enable_prefix_caching: bool = _opt(True, "reuse KV of shared prompt prefixes")
+    max_num_seqs: int = _opt(64, "sequences per engine step")
+    max_num_batched_tokens: int = _opt(2048, "tokens per engine step (chunked prefill)")
+    device: str = _opt("cpu", "torch device of the workers: cpu | cuda")
+    kernel_backend: str | None = _opt(None, "torch | triton (default: by device)")
+    seed: int = _opt(0, "engine seed for unseeded sampling")
+    # pools
+    prefill_workers: int = _opt(1, "prefill workers")
+    decode_workers: int = _opt(1, "decode worker groups")
+    decode_tp: int = _opt(1, "tensor-parallel ranks per decode group")
+    prefill_threads: int | None = _opt(None, "torch threads per prefill worker")
+    decode_threads: int | None = _opt(None, "torch threads per decode rank")
+    # router
+    host: str = _opt("127.0.0.1", "address the router, metrics and bundled Redis bind")
+    worker_host: str = _opt(
+        "127.0.0.1", "address workers bind; 'auto': each node's IP (multi-node clusters)"
+    )
+    port: int = _opt(50051, "router gRPC port (0: any free port)")
+    metrics_port: int = _opt(9400, "Prometheus metrics HTTP port (0: any free port)")
+    max_inflight_requests: int = _opt(256, "requests dispatched to workers at once")
+    max_queued_requests: int = _opt(1024, "requests waiting for admission before refusing")
+    kv_transfer_timeout_s: float = _opt(30.0, "deadline of one prompt's prefill + KV transfer")
+    max_local_prefill_tokens: int = _opt(
+        256, "a session's decode worker prefills up to this many uncached tokens itself"
+    )
+    # cluster services
+    ray_address: str | None = _opt(None, "existing Ray cluster (default: start a local one)")
+    redis_url: str | None = _opt(None, "redis://host:port/db (default: start a bundled one)")
+    redis_password: str | None = _opt(None, "Redis password")
+    redis_namespace: str = _opt("pdserve", "prefix of every Redis key")
+    session_ttl_s: int = _opt(3600, "seconds a session outlives its last turn")
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_workers", "decode_workers", "decode_tp", "max_inflight_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        for name in ("port", "metrics_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        if self.kv_transfer_timeout_s <= 0:
+            raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """One `--flag` per field; unset flags stay None so lower layers show through."""
+        parser.add_argument("--config", default=None,
+                            help=f"YAML file of settings (env {ENV_PREFIX}CONFIG)")
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            if _base_type(f) is bool:
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                    help=f.metadata["help"])
+            else:
+                parser.add_argument(flag, default=None, metavar=f.name.upper(),
+                                    help=f"{f.metadata['help']} (default: {f.default})")
+
+    @classmethod
+    def load(
+        cls,
+        args: argparse.Namespace | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> ServeSettings:
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        path = getattr(args, "config", None) or environ.get(ENV_PREFIX + "CONFIG")
+        if path:
+            values.update(_read_config(Path(path), cls))
+        for f in dataclasses.fields(cls):
+            env = environ.get(ENV_PREFIX + f.name.upper())
+            if env is not None:
+                values[f.name] = _parse(f, env, f"{ENV_PREFIX}{f.name.upper()}")
+            flag = getattr(args, f.name, None) if args is not None else None
+            if flag is not None:
+                values[f.name] = _parse(f, flag, "--" + f.name.replace("_", "-"))
+        return cls(**values)
+
+
+def _read_config(path: Path, cls: type) -> dict[str, Any]:
+    import yaml
+
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config {path}: expected a mapping of settings")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"config {path}: unknown keys {unknown}; known: {sorted(fields)}")
+    return {k: _parse(fields[k], v, f"{path}: {k}") for k, v in data.items()}
+
+
+def _base_type(f: dataclasses.Field) -> type:
+    hint = typing.get_type_hints(ServeSettings)[f.name]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def _parse(f: dataclasses.Field, value: Any, where: str) -> Any:
+    """A flag, env or YAML value as the field's type; ValueError naming where it came from."""
+    kind = _base_type(f)
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+        if f.default is None:
+            return None
+        raise ValueError(f"{where}: {f.name} needs a value")
+    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    try:
+        if kind is bool:
+            text = str(value).lower()
+            if text not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError(text)
+            return text in ("1", "true", "yes", "on")
+        if kind is int:
+            return int(str(value).replace("_", ""))
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{where}: {f.name} must be a {kind.__name__}, got {value!r}") from None

@@ -1,0 +1,51 @@
+"""PrefillActor: one prefill worker as a Ray actor (the launcher wraps it with `ray.remote`).
+
+The actor only hosts the worker: requests reach it over its gRPC service (`address`), never
+through Ray calls, so the data and control planes stay as they are outside Ray. Ray calls are
+for placement and supervision: `ping` is the liveness probe. The engine sets its own thread
+count from the spec (ModelRunner applies `num_threads`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from engine.worker_spec import WorkerSpec
+from prefill_worker.service import PrefillService
+
+logger = logging.getLogger(__name__)
+
+
+def loop_alive(worker: Any) -> bool:
+    """Whether a worker's engine loop thread still runs (a dead loop serves nothing)."""
+    thread = getattr(worker, "_thread", None)
+    return thread is None or thread.is_alive()
+
+
+class PrefillActor:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = WorkerSpec.from_dict(spec).with_resolved_host()
+        self.service = PrefillService(self.spec)
+
+    def address(self) -> str:
+        return self.service.address
+
+    def ping(self) -> str:
+        """The gRPC address while the engine loop runs; raises once it has died."""
+        if not loop_alive(self.service.worker):
+            raise RuntimeError(f"prefill worker {self.spec.worker_id}: engine loop has stopped")
+        return self.service.address
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def stop(self) -> None:
+        self.service.stop()
+        logger.info("prefill worker %s stopped", self.spec.worker_id)

@@ -1,0 +1,229 @@
+"""Prometheus metrics of one router, in a registry of its own (several routers may share a
+process in tests without their series clashing)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import start_http_server
+
+logger = logging.getLogger(__name__)
+
+# Latency buckets from 1 ms to 60 s, denser where TTFT / E2E / transfers usually land.
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
+)  # fmt: skip
+# Inter-token latency from 0.5 ms (fast GPU decode) up to 60 s (a stalled batch).
+ITL_BUCKETS: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0,
+)  # fmt: skip
+
+REQUEST_STATUSES: tuple[str, ...] = (
+    "ok",
+    "invalid",
+    "overloaded",
+    "cancelled",
+    "unavailable",
+    "error",
+)
+
+
+def _check_non_negative(**values: float) -> None:
+    for name, value in values.items():
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+class RouterMetrics:
+    """Every metric the router exports, plus an optional HTTP endpoint serving them."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+        self._build_latency()
+        self._build_counters()
+        self._build_gauges()
+
+    def _build_latency(self) -> None:
+        reg = self.registry
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds",
+            "Time from request arrival to first token.",
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.itl = Histogram(
+            "pdserve_inter_token_latency_seconds",
+            "Gap between consecutive generated tokens.",
+            buckets=ITL_BUCKETS,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            "pdserve_e2e_request_latency_seconds",
+            "Time from request arrival to last token.",
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.transfer_latency = Histogram(
+            "pdserve_kv_transfer_latency_seconds",
+            "Duration of one prefill->decode KV transfer.",
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+
+    def _build_counters(self) -> None:
+        reg = self.registry
+        self.transfer_bytes = Counter(
+            "pdserve_kv_transfer_bytes", "KV cache bytes shipped prefill->decode.", registry=reg
+        )
+        self.requests = Counter(
+            "pdserve_requests", "Finished requests by status.", ["status"], registry=reg
+        )
+        for status in REQUEST_STATUSES:  # export zeros so rate() works from the first scrape
+            self.requests.labels(status)
+        self.prompt_tokens = Counter(
+            "pdserve_prompt_tokens", "Prompt tokens of admitted requests.", registry=reg
+        )
+        self.generation_tokens = Counter(
+            "pdserve_generation_tokens", "Tokens generated.", registry=reg
+        )
+        self.prefix_queries = Counter(
+            "pdserve_prefix_cache_queries_tokens",
+            "Prompt tokens looked up in a prefix cache.",
+            registry=reg,
+        )
+        self.prefix_hits = Counter(
+            "pdserve_prefix_cache_hit_tokens",
+            "Prompt tokens found in a prefix cache.",
+            registry=reg,
+        )
+
+    def _build_gauges(self) -> None:
+        reg = self.registry
+        self.queue_depth = Gauge(
+            "pdserve_queue_depth", "Requests waiting for admission.", registry=reg
+        )
+        self.inflight = Gauge(
+            "pdserve_requests_inflight", "Requests admitted and not finished.", registry=reg
+        )
+        self.kv_blocks_total = Gauge(
+            "pdserve_kv_blocks_total", "KV blocks of a worker.", ["worker"], registry=reg
+        )
+        self.kv_blocks_free = Gauge(
+            "pdserve_kv_blocks_free", "Free KV blocks of a worker.", ["worker"], registry=reg
+        )
+        self.kv_usage = Gauge(
+            "pdserve_kv_usage_ratio",
+            "Used / total KV blocks of a worker.",
+            ["worker"],
+            registry=reg,
+        )
+        self.worker_up = Gauge(
+            "pdserve_worker_up",
+            "1 when the worker answers health checks.",
+            ["worker", "role"],
+            registry=reg,
+        )
+        self.redis_up = Gauge("pdserve_redis_up", "1 when Redis is reachable.", registry=reg)
+
+    # -- observations -------------------------------------------------------------------------
+
+    def observe_ttft(self, seconds: float) -> None:
+        _check_non_negative(seconds=seconds)
+        self.ttft.observe(seconds)
+
+    def observe_itl(self, seconds: float, count: int = 1) -> None:
+        """Record a gap of `seconds` after which one message brought `count` tokens.
+
+        Decode streams one message per engine step, which may carry several tokens; we record
+        the per-token gap seconds/count, count times. That keeps the histogram's count equal to
+        the number of token gaps and its sum equal to the decode time, so the mean matches how
+        clients measure ITL over streamed tokens ((e2e - ttft) / (tokens - 1), as in genai-perf,
+        llmperf and vLLM's benchmark), instead of one large gap that overstates it n-fold.
+        """
+        _check_non_negative(seconds=seconds)
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        per_token = seconds / count
+        for _ in range(count):
+            self.itl.observe(per_token)
+
+    def observe_e2e(self, seconds: float) -> None:
+        _check_non_negative(seconds=seconds)
+        self.e2e.observe(seconds)
+
+    def observe_transfer(self, num_bytes: int, seconds: float) -> None:
+        _check_non_negative(num_bytes=num_bytes, seconds=seconds)
+        self.transfer_bytes.inc(num_bytes)
+        self.transfer_latency.observe(seconds)
+
+    def count_request(self, status: str) -> None:
+        if status not in REQUEST_STATUSES:
+            raise ValueError(f"status must be one of {REQUEST_STATUSES}, got {status!r}")
+        self.requests.labels(status).inc()
+
+    def count_tokens(self, prompt: int, generated: int, cached: int) -> None:
+        """Prompt and generated tokens of one request; `cached` of its prompt tokens were hits
+        (prefix hit rate = hit tokens / query tokens, as vLLM reports it)."""
+        _check_non_negative(prompt=prompt, generated=generated, cached=cached)
+        if cached > prompt:
+            raise ValueError(f"cached ({cached}) cannot exceed prompt ({prompt})")
+        self.prompt_tokens.inc(prompt)
+        self.generation_tokens.inc(generated)
+        self.prefix_queries.inc(prompt)
+        self.prefix_hits.inc(cached)
+
+    def set_queue(self, depth: int, inflight: int) -> None:
+        self.queue_depth.set(depth)
+        self.inflight.set(inflight)
+
+    def set_worker(
+        self, worker_id: str, role: str, up: bool, num_blocks: int, num_free_blocks: int
+    ) -> None:
+        """Health and KV capacity of one worker (prefill workers report their own pool)."""
+        self.worker_up.labels(worker_id, role).set(1 if up else 0)
+        self.kv_blocks_total.labels(worker_id).set(num_blocks)
+        self.kv_blocks_free.labels(worker_id).set(num_free_blocks)
+        used = num_blocks - num_free_blocks
+        self.kv_usage.labels(worker_id).set(used / num_blocks if num_blocks > 0 else 0.0)
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Drop every series of a worker that left (so dashboards don't show it frozen)."""
+        self.worker_up.remove_by_labels({"worker": worker_id})
+        for gauge in (self.kv_blocks_total, self.kv_blocks_free, self.kv_usage):
+            gauge.remove(worker_id)
+
+    def set_redis_up(self, up: bool) -> None:
+        self.redis_up.set(1 if up else 0)
+
+    # -- exposition ---------------------------------------------------------------------------
+
+    def render(self) -> bytes:
+        """The registry in Prometheus text exposition format."""
+        return generate_latest(self.registry)
+
+    def start_http(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Serve /metrics on host:port in a daemon thread; port 0 picks a free port.
+        Returns the bound port."""
+        if self._server is not None:
+            raise RuntimeError("metrics HTTP server already started; call stop_http() first")
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        bound = self._server.server_port
+        logger.info("metrics served on http://%s:%d/metrics", host, bound)
+        return bound
+
+    def stop_http(self) -> None:
+        """Stop the HTTP endpoint (no-op when not started)."""
+        if self._server is None:
+            return
+        self._server.shutdown()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._server, self._thread = None, None

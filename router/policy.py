@@ -1,0 +1,125 @@
+"""Routing policies: pure functions over frozen load snapshots (no I/O, no torch).
+
+The router builds a snapshot per request from what it last heard from each worker plus what
+it has itself dispatched since, then asks these functions where to go. Keeping them pure makes
+every routing decision reproducible from its inputs and testable without a cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefillLoad:
+    """What the router knows of one prefill worker's queue."""
+
+    worker_id: str
+    num_inflight: int  # requests the router has sent and not yet seen answered
+    num_inflight_tokens: int  # their uncached prompt tokens (the work queued there)
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    """What the router knows of one decode worker's KV memory and batch."""
+
+    worker_id: str
+    num_blocks: int
+    num_free_blocks: int  # last reported, minus blocks the router reserved since
+    num_running: int
+    max_num_seqs: int
+
+    def fits(self, num_blocks_needed: int) -> bool:
+        """True when this worker has the KV blocks and a batch slot for one more request."""
+        return self.num_free_blocks >= num_blocks_needed and self.num_running < self.max_num_seqs
+
+
+@dataclass(frozen=True)
+class RoutingInfo:
+    """The request-side facts routing needs (computed by the router before dispatch)."""
+
+    num_prompt_tokens: int
+    num_blocks_needed: int  # blocks the prompt + first tokens need on decode
+    session_decode_worker: str | None = None
+    # prefill worker id -> prompt tokens already cached there (from the Redis prefix index)
+    prefix_hits: Mapping[str, int] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 0:
+            raise ValueError(f"num_prompt_tokens must be >= 0, got {self.num_prompt_tokens}")
+        if self.num_blocks_needed < 0:
+            raise ValueError(f"num_blocks_needed must be >= 0, got {self.num_blocks_needed}")
+
+
+def choose_decode(
+    workers: Sequence[DecodeLoad], req: RoutingInfo, excluded: Collection[str] = ()
+) -> str | None:
+    """Session affinity first (if that worker fits), else most free KV blocks among workers
+    that fit (free >= needed and running < max_num_seqs); ties broken deterministically (fewest
+    running, then worker_id). None when none fits."""
+    fitting = [w for w in workers if w.worker_id not in excluded and w.fits(req.num_blocks_needed)]
+    if not fitting:
+        return None
+    if req.session_decode_worker is not None:
+        for w in fitting:
+            if w.worker_id == req.session_decode_worker:
+                return w.worker_id
+        logger.debug("session worker %s does not fit; routing by load", req.session_decode_worker)
+    best = min(fitting, key=lambda w: (-w.num_free_blocks, w.num_running, w.worker_id))
+    return best.worker_id
+
+
+def prefill_work(worker: PrefillLoad, req: RoutingInfo) -> int:
+    """Estimated tokens this worker must compute before it finishes `req`: its queued uncached
+    tokens plus the part of this prompt it does not already hold in its prefix cache."""
+    hit = min(max(req.prefix_hits.get(worker.worker_id, 0), 0), req.num_prompt_tokens)
+    return worker.num_inflight_tokens + req.num_prompt_tokens - hit
+
+
+def choose_prefill(
+    workers: Sequence[PrefillLoad], req: RoutingInfo, excluded: Collection[str] = ()
+) -> str | None:
+    """Least estimated work: queued uncached tokens on that worker + this prompt's tokens not
+    cached there (num_prompt_tokens - prefix_hits.get(w, 0)); ties: fewer inflight, then
+    worker_id. None when no worker."""
+    candidates = [w for w in workers if w.worker_id not in excluded]
+    if not candidates:
+        return None
+    best = min(candidates, key=lambda w: (prefill_work(w, req), w.num_inflight, w.worker_id))
+    return best.worker_id
+
+
+def prefill_locally(
+    num_prompt_tokens: int, num_cached_on_decode: int, max_local_prefill_tokens: int
+) -> bool:
+    """Conditional disaggregation (as NVIDIA Dynamo does): when the session's decode worker
+    already holds all but at most `max_local_prefill_tokens` of the prompt, it prefills the
+    remainder itself instead of shipping KV from a prefill worker. max_local_prefill_tokens <= 0
+    disables it (always remote).
+
+    A short remainder (a chat turn's new message) costs the decode batch less than a remote
+    prefill's round trip and KV transfer of the whole prompt would cost the request.
+    """
+    if num_prompt_tokens < 0 or num_cached_on_decode < 0:
+        raise ValueError(
+            f"token counts must be >= 0, got num_prompt_tokens={num_prompt_tokens}, "
+            f"num_cached_on_decode={num_cached_on_decode}"
+        )
+    if max_local_prefill_tokens <= 0:
+        return False
+    num_uncached = max(num_prompt_tokens - num_cached_on_decode, 0)
+    return num_uncached <= max_local_prefill_tokens
+
+
+def shared_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Number of leading tokens `a` and `b` have in common."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

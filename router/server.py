@@ -1,0 +1,164 @@
+"""The router's gRPC server: pdserve.v1.Inference, grpc.health.v1.Health and reflection.
+
+Status codes: INVALID_ARGUMENT names the field; RESOURCE_EXHAUSTED when the admission queue
+is full or no decode worker finds KV room in time; UNAVAILABLE when a worker holding the
+request dies or none is up. Health: "" and "pdserve.v1.Inference" are SERVING while at least
+one prefill and one decode worker are up; "pdserve.redis" is NOT_SERVING while Redis is
+unreachable (degraded: prefix routing and sessions are off, serving goes on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from proto import pdserve_pb2
+from router.admission import Overloaded
+from router.router import NoCapacity, Router
+from router.stream import WorkerFailed
+from router.validation import InvalidArgument, parse_generate_request, validate
+from router.workers import WorkerLost
+
+logger = logging.getLogger(__name__)
+
+SERVICE = "pdserve.v1.Inference"
+REDIS_HEALTH = "pdserve.redis"
+MAINTENANCE_S = 0.5
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class InferenceServicer:
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def Generate(self, request, context):
+        received = time.monotonic()
+        metrics = self.router.metrics
+        status = "error"
+        try:
+            if isinstance(request, InvalidArgument):
+                raise request
+            valid = await asyncio.to_thread(validate, request, self.router.model)
+            async for message in self.router.generate(valid, received):
+                yield message
+            status = "ok"
+        except InvalidArgument as exc:
+            status = "invalid"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except (Overloaded, NoCapacity) as exc:
+            status = "overloaded"
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except (WorkerLost, WorkerFailed) as exc:
+            status = "unavailable"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except asyncio.CancelledError:
+            status = "cancelled"
+            raise
+        finally:
+            metrics.count_request(status)
+
+    async def Abort(self, request, context):
+        if isinstance(request, InvalidArgument):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request))
+        found = await self.router.abort(request.request_id)
+        return pdserve_pb2.AbortResponse(found=found)
+
+    async def GetModelInfo(self, request, context):
+        model = self.router.model
+        tokenizer = model.tokenizer
+        return pdserve_pb2.ModelInfo(
+            model=model.name, max_model_len=model.max_model_len, vocab_size=model.vocab_size,
+            block_size=self.router.config.block_size, dtype=model.dtype,
+            eos_token_ids=list(model.eos_token_ids),
+            has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+        )
+
+    async def GetStats(self, request, context):
+        return self.router.stats()
+
+
+def _parse_abort(data: bytes):
+    try:
+        return pdserve_pb2.AbortRequest.FromString(data)
+    except DecodeError:
+        return InvalidArgument("request_id is not valid UTF-8")
+
+
+def _handlers(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
+    def unary(fn, parse):
+        return grpc.unary_unary_rpc_method_handler(
+            fn, request_deserializer=parse, response_serializer=lambda m: m.SerializeToString())
+
+    return grpc.method_handlers_generic_handler(SERVICE, {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=parse_generate_request,
+            response_serializer=pdserve_pb2.GenerateResponse.SerializeToString),
+        "Abort": unary(servicer.Abort, _parse_abort),
+        "GetModelInfo": unary(servicer.GetModelInfo, pdserve_pb2.GetModelInfoRequest.FromString),
+        "GetStats": unary(servicer.GetStats, pdserve_pb2.GetStatsRequest.FromString),
+    })
+
+
+class RouterServer:
+    """The gRPC server around a Router, plus the loop that keeps health and gauges current."""
+
+    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.router = router
+        self.server = grpc.aio.server()
+        self.server.add_generic_rpc_handlers((_handlers(InferenceServicer(router)),))
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if not self.port:
+            raise ValueError(f"port: could not bind {host}:{port}")
+        self.address = f"{host}:{self.port}"
+        self._maintenance: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self._refresh()
+        await self.server.start()
+        self._maintenance = asyncio.create_task(self._maintain(), name="router-maintenance")
+        logger.info("router serving %s on %s", self.router.model.name, self.address)
+
+    async def stop(self, grace: float = 1.0) -> None:
+        if self._maintenance is not None:
+            self._maintenance.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._maintenance
+        await self.server.stop(grace)
+        await self.router.close()
+
+    async def _maintain(self) -> None:
+        while True:
+            await asyncio.sleep(MAINTENANCE_S)
+            try:
+                await self._refresh()
+            except Exception:  # never let a gauge update take the health loop down
+                logger.exception("router maintenance failed")
+
+    async def _refresh(self) -> None:
+        router, metrics = self.router, self.router.metrics
+        up = {c.role for c in router.workers() if c.up}
+        serving = SERVING if {"prefill", "decode"} <= up else NOT_SERVING
+        for name in ("", SERVICE):
+            await self.health.set(name, serving)
+        redis_up = False
+        if router.store is not None:
+            redis_up = await router.store.check()
+        await self.health.set(REDIS_HEALTH, SERVING if redis_up else NOT_SERVING)
+        metrics.set_redis_up(redis_up)
+        metrics.set_queue(router.admission.num_queued, router.admission.num_inflight)
+        for c in router.workers():
+            load = c.load
+            metrics.set_worker(c.worker_id, c.role, c.up, load.num_blocks if load else 0,
+                               load.num_free_blocks if load else 0)

@@ -1,0 +1,173 @@
+"""RedisStore: the router's shared state in Redis (sessions, prefix index), fail-open.
+
+Keys (all under one namespace, so several deployments can share a Redis):
+
+- `{ns}:session:{session_id}`: a HASH with `token_ids` (a JSON list of ints) and
+  `decode_worker`; its TTL is reset to `session_ttl_s` on every put.
+- `{ns}:prefix:{worker_id}`: a SET of the raw 16-byte block hashes the worker holds. Together
+  the per-worker sets are the cluster's block-hash -> workers index: a block is held by the
+  workers whose set contains it. Workers keep their own set current
+  (`prefill_worker.prefix_events.PrefixIndexPublisher`); the router only reads.
+
+Redis is advisory here, never on the critical path: every call is bounded by `timeout_s` and
+answers "unknown" (None, {}, nothing done) on any Redis trouble, so routing falls back to
+load-only. Health flips (and is logged) only on transitions; any successful call, or the
+periodic `check()`, brings it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Session:
+    token_ids: tuple[int, ...]
+    decode_worker: str
+
+
+class RedisStore:
+    def __init__(
+        self,
+        url: str,
+        password: str | None = None,
+        namespace: str = "pdserve",
+        timeout_s: float = 0.05,
+        session_ttl_s: int = 3600,
+    ) -> None:
+        if not namespace:
+            raise ValueError("namespace must be non-empty (it prefixes every key)")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if session_ttl_s < 1:
+            raise ValueError(f"session_ttl_s must be >= 1 second, got {session_ttl_s}")
+        self.namespace = namespace
+        self.timeout_s = timeout_s
+        self.session_ttl_s = session_ttl_s
+        pool = aioredis.ConnectionPool.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),  # a retry would outlive the caller's budget
+        )
+        if password is not None:  # the explicit argument wins over a password in the URL
+            pool.connection_kwargs["password"] = password
+        self._redis = aioredis.Redis(connection_pool=pool)
+        self._healthy = True
+
+    @property
+    def healthy(self) -> bool:
+        """False since the last failed call, until a call (or `check()`) succeeds."""
+        return self._healthy
+
+    def session_key(self, session_id: str) -> str:
+        return f"{self.namespace}:session:{session_id}"
+
+    def prefix_key(self, worker_id: str) -> str:
+        return f"{self.namespace}:prefix:{worker_id}"
+
+    async def check(self) -> bool:
+        """PING; the router calls this every second or so, so health recovers without traffic."""
+        return bool(await self._call("ping", self._redis.ping, False))
+
+    async def get_session(self, session_id: str) -> Session | None:
+        key = self.session_key(session_id)
+        fields = await self._call("get_session", lambda: self._redis.hgetall(key), None)
+        if not fields:
+            return None
+        try:
+            token_ids = json.loads(fields[b"token_ids"])
+            if not isinstance(token_ids, list) or not all(type(t) is int for t in token_ids):
+                raise ValueError("token_ids is not a JSON list of ints")
+            return Session(tuple(token_ids), fields[b"decode_worker"].decode())
+        except (KeyError, ValueError, UnicodeDecodeError) as exc:
+            logger.warning("ignoring malformed session %r: %s", key, exc)
+            return None
+
+    async def put_session(
+        self, session_id: str, token_ids: Sequence[int], decode_worker: str
+    ) -> None:
+        key = self.session_key(session_id)
+        mapping = {
+            "token_ids": json.dumps([int(t) for t in token_ids]),
+            "decode_worker": decode_worker,
+        }
+
+        async def put() -> None:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.hset(key, mapping=mapping)
+                pipe.expire(key, self.session_ttl_s)
+                await pipe.execute()
+
+        await self._call("put_session", put, None)
+
+    async def prefix_hits(
+        self, block_hashes: Sequence[bytes], worker_ids: Sequence[str]
+    ) -> dict[str, int]:
+        """Per worker, how many LEADING `block_hashes` it holds (a hole stops the count).
+
+        {} when either input is empty (Redis untouched) or Redis is unavailable; otherwise
+        every worker id is a key, 0 included.
+        """
+        if not block_hashes or not worker_ids:
+            return {}
+        members = list(block_hashes)
+        workers = list(dict.fromkeys(worker_ids))
+
+        async def query() -> list[list[int]]:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for worker_id in workers:
+                    pipe.smismember(self.prefix_key(worker_id), members)
+                return await pipe.execute()
+
+        replies = await self._call("prefix_hits", query, None)
+        if replies is None:
+            return {}
+        return {w: _leading_true(flags) for w, flags in zip(workers, replies)}
+
+    async def close(self) -> None:
+        try:
+            await self._redis.aclose()
+        except Exception as exc:  # closing must not fail the router's shutdown
+            logger.debug("closing redis client: %s", exc)
+
+    async def _call(self, op: str, fn: Callable[[], Awaitable[T]], unknown: T) -> T:
+        """Run one Redis operation within the budget; `unknown` on any failure."""
+        try:
+            result = await asyncio.wait_for(fn(), self.timeout_s)
+        except Exception as exc:  # fail open: Redis trouble must never reach the serving path
+            if self._healthy:
+                logger.warning(
+                    "redis unavailable during %s (%r): sessions and prefix routing fall back "
+                    "until it answers again",
+                    op,
+                    exc,
+                )
+            self._healthy = False
+            return unknown
+        if not self._healthy:
+            logger.info("redis reachable again (%s)", op)
+        self._healthy = True
+        return result
+
+
+def _leading_true(flags: Sequence[int]) -> int:
+    count = 0
+    for flag in flags:
+        if not flag:
+            break
+        count += 1
+    return count

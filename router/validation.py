@@ -1,0 +1,139 @@
+"""Everything about a Generate request is checked here, before any worker holds state for it.
+
+Each refusal is an InvalidArgument naming the field (`prompt`, `sampling.top_p`, ...), which
+the servicer returns as INVALID_ARGUMENT. Requests whose strings are not UTF-8 never parse as
+pdserve.v1 messages: `parse_generate_request` re-reads them as raw bytes to name the field.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf.message import DecodeError
+
+from engine.config import load_model_config
+from engine.input_processor import chat_prompt, check_prompt_length, tokenize_prompt
+from engine.sampling_params import SamplingParams
+from engine.wire import sampling_from_proto
+from proto import pdserve_pb2, raw_pb2
+
+MAX_ID_CHARS = 256
+
+
+class InvalidArgument(ValueError):
+    """A request the router refuses; the message starts with the field's name."""
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    """What the router knows of the served model: its tokenizer and limits (no weights)."""
+
+    name: str
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int
+    dtype: str = "float32"
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def load(cls, path: str, name: str, dtype: str = "float32",
+             max_model_len: int | None = None) -> ModelContext:
+        from transformers import AutoTokenizer
+
+        config = load_model_config(path, dtype, max_model_len)
+        return cls(name, AutoTokenizer.from_pretrained(path), config.vocab_size,
+                   config.max_model_len, dtype, config.eos_token_ids)
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    session_id: str
+
+
+def parse_generate_request(data: bytes) -> pdserve_pb2.GenerateRequest | InvalidArgument:
+    """The server's deserializer: the message, or the reason it can't be read (not raised, so
+    the servicer can answer INVALID_ARGUMENT instead of gRPC's INTERNAL)."""
+    try:
+        return pdserve_pb2.GenerateRequest.FromString(data)
+    except DecodeError as exc:
+        return InvalidArgument(_bad_utf8_field(data) or f"request: unreadable message ({exc})")
+
+
+def _bad_utf8_field(data: bytes) -> str | None:
+    try:
+        raw = raw_pb2.RawGenerateRequest.FromString(data)
+    except DecodeError:
+        return None
+    fields = [("request_id", raw.request_id), ("session_id", raw.session_id),
+              ("model", raw.model), ("prompt", raw.prompt)]
+    for i, m in enumerate(raw.messages):
+        fields += [(f"messages[{i}].role", m.role), (f"messages[{i}].content", m.content)]
+    fields += [(f"sampling.stop[{i}]", s) for i, s in enumerate(raw.sampling.stop)]
+    for name, value in fields:
+        try:
+            value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return f"{name} is not valid UTF-8 (byte {exc.start})"
+    return None
+
+
+def validate(request: pdserve_pb2.GenerateRequest, model: ModelContext) -> ValidRequest:
+    """Token ids and checked SamplingParams of a request, or InvalidArgument naming the field."""
+    request_id = _check_id("request_id", request.request_id) or f"req-{uuid.uuid4().hex}"
+    session_id = _check_id("session_id", request.session_id)
+    if request.model and request.model != model.name:
+        raise InvalidArgument(
+            f"model {request.model!r} is not served here; this router serves {model.name!r}"
+        )
+    prompt_ids = _prompt_ids(request, model)
+    try:
+        check_prompt_length(len(prompt_ids), model.max_model_len)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+    room = model.max_model_len - len(prompt_ids)
+    sampling = request.sampling
+    try:
+        params = sampling_from_proto(sampling, default_max_tokens=room)
+    except ValueError as exc:
+        raise InvalidArgument(f"sampling.{exc}") from None
+    if params.max_tokens > room:
+        raise InvalidArgument(
+            f"sampling.max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens "
+            f"({params.max_tokens}) exceeds max_model_len ({model.max_model_len})"
+        )
+    for token_id in params.stop_token_ids:
+        if token_id >= model.vocab_size:
+            raise InvalidArgument(f"sampling.stop_token_ids: {token_id} is outside the vocabulary")
+    return ValidRequest(request_id, tuple(prompt_ids), params, session_id)
+
+
+def _prompt_ids(request: pdserve_pb2.GenerateRequest, model: ModelContext) -> list[int]:
+    given = [name for name, present in (
+        ("prompt", request.HasField("prompt")),
+        ("prompt_token_ids", bool(request.prompt_token_ids)),
+        ("messages", bool(request.messages)),
+    ) if present]
+    if len(given) != 1:
+        raise InvalidArgument(
+            "prompt: give exactly one of prompt, prompt_token_ids, messages"
+            + (f" (got {', '.join(given)})" if given else " (got none, or an empty one)")
+        )
+    try:
+        if given[0] == "messages":
+            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            return chat_prompt(messages, model.tokenizer)
+        prompt = request.prompt if given[0] == "prompt" else list(request.prompt_token_ids)
+        return tokenize_prompt(prompt, model.tokenizer, model.vocab_size)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
+def _check_id(name: str, value: str) -> str:
+    if len(value) > MAX_ID_CHARS:
+        raise InvalidArgument(f"{name} is {len(value)} characters; the limit is {MAX_ID_CHARS}")
+    return value

@@ -1,0 +1,89 @@
+"""Run the real service (Redis + Ray workers + router) from a test, on a background loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import replace
+
+import grpc
+
+from pdserve.service import Service
+from pdserve.settings import ServeSettings
+from proto import pdserve_pb2, pdserve_pb2_grpc
+
+
+def tiny_settings(model_dir, ray_address: str, **overrides) -> ServeSettings:
+    """Small, fast settings for the tiny test checkpoint; every port picked free."""
+    base = ServeSettings(
+        model=str(model_dir), max_model_len=512, num_kv_blocks=256, max_num_seqs=32,
+        max_num_batched_tokens=512, prefill_threads=1, decode_threads=1, port=0,
+        metrics_port=0, ray_address=ray_address, kv_transfer_timeout_s=20.0,
+    )
+    return replace(base, **overrides)
+
+
+class ServiceThread:
+    """A Service started and stopped on its own event loop thread (tests are synchronous)."""
+
+    def __init__(self, settings: ServeSettings) -> None:
+        self.service = Service(settings)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro, timeout: float = 300.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> ServiceThread:
+        try:
+            self.run(self.service.start())
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        try:
+            self.run(self.service.stop(), timeout=120)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+
+    @property
+    def address(self) -> str:
+        return self.service.address
+
+    @property
+    def router(self):
+        return self.service.router_server.router
+
+
+def raw_generate(address: str, payload: bytes, timeout: float = 10.0) -> grpc.RpcError:
+    """Send hand-made bytes as a GenerateRequest (e.g. invalid UTF-8); the error it gets."""
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_stream(
+            "/pdserve.v1.Inference/Generate",
+            request_serializer=lambda b: b,
+            response_deserializer=pdserve_pb2.GenerateResponse.FromString,
+        )
+        try:
+            list(call(payload, timeout=timeout))
+        except grpc.RpcError as exc:
+            return exc
+    raise AssertionError("the server accepted the request")
+
+
+def health(address: str, service: str = "") -> str:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=5)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def stats(address: str) -> pdserve_pb2.Stats:
+    with grpc.insecure_channel(address) as channel:
+        return pdserve_pb2_grpc.InferenceStub(channel).GetStats(pdserve_pb2.GetStatsRequest(),
+                                                                timeout=5)

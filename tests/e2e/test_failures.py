@@ -1,0 +1,142 @@
+"""Failures of the parts around the service: Redis stopped and restarted, workers killed.
+
+Two prefill workers (head node) and two decode workers (second node), real processes: the
+tests SIGKILL a worker's process and stop the real redis-server under a running service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+from engine.sampling_params import SamplingParams
+from pdserve.client import AsyncClient, Client, PdserveError
+from proto import worker_pb2, worker_pb2_grpc
+from tests.e2e.harness import ServiceThread, health, stats, tiny_settings
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+RESTART_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster, tiny_llama_dir):
+    settings = tiny_settings(tiny_llama_dir, ray_cluster.address, prefill_workers=2,
+                             decode_workers=2)
+    running = ServiceThread(settings).start()
+    with Client(running.address) as client:
+        client.wait_ready(60)
+    yield running
+    running.stop()
+
+
+def wait_until(predicate, timeout: float, what: str):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"not true within {timeout} s: {what}")
+
+
+def running_on(address: str) -> int:
+    """Requests running on a decode worker now (asked of the worker itself)."""
+    with grpc.insecure_channel(address) as channel:
+        load = worker_pb2_grpc.DecodeWorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(),
+                                                                 timeout=5)
+    return load.num_running
+
+
+def prefix_owner(service, prompt: list[int]) -> tuple[str, int]:
+    """Where the router would prefill `prompt`, and its prefix hit there (tokens)."""
+    client, hit = service.run(service.router.choose_prefill(prompt))
+    return client.worker_id, hit
+
+
+def test_redis_stopped_mid_run_degrades_and_recovers(service):
+    redis_server = service.service.redis
+    prompt = list(range(1000, 1070))  # 4 full blocks and a partial one
+    with Client(service.address, timeout=60) as client:
+        client.complete(prompt, sampling=GREEDY)
+        owner, _ = wait_until(lambda: (o := prefix_owner(service, prompt))[1] == 64 and o,
+                              10, "the prefix index names the worker holding the prompt")
+        redis_server.stop()
+        try:
+            # serving goes on without Redis: sessions and prefix routing fail open
+            for i in range(3):
+                done = client.complete(prompt[: 20 + i], sampling=GREEDY, session_id=f"s{i}")
+                assert done.usage.completion_tokens == 8
+            assert wait_until(lambda: health(service.address, "pdserve.redis") == "NOT_SERVING",
+                              5, "health reports Redis down")
+            assert health(service.address) == "SERVING"
+            assert not stats(service.address).redis_up
+            assert prefix_owner(service, prompt)[1] == 0  # no index: load-only routing
+        finally:
+            redis_server.start()  # same port, empty
+        assert wait_until(lambda: health(service.address, "pdserve.redis") == "SERVING",
+                          10, "health reports Redis back")
+        # the workers re-publish their whole cache: prefix routing is back where it was
+        assert wait_until(lambda: prefix_owner(service, prompt) == (owner, 64), 15,
+                          "prefix routing resumes")
+        assert stats(service.address).redis_up
+        assert client.complete(prompt, sampling=GREEDY).usage.cached_tokens == 64
+
+
+def test_killed_decode_worker_fails_its_requests_and_comes_back(service):
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    pool = service.service.pool
+
+    async def stream(client, i, started):
+        n = 0
+        try:
+            async for chunk in client.generate([3, 4, 5, i], sampling=params):
+                n += len(chunk.token_ids)
+                if n >= 5:
+                    started.set()
+            return "ok"
+        except PdserveError as exc:
+            return exc.code.name
+
+    async def run():
+        async with AsyncClient(service.address, timeout=120) as client:
+            events = [asyncio.Event() for _ in range(6)]
+            tasks = [asyncio.create_task(stream(client, i, e)) for i, e in enumerate(events)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
+            by_worker = {w.worker_id: running_on(w.address) for w in
+                         stats(service.address).workers if w.role == "decode"}
+            os.kill(pool.pids("decode-0")[0], signal.SIGKILL)
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 120)  # never hangs
+            return by_worker, results
+
+    by_worker, results = asyncio.run(run())
+    assert by_worker["decode-0"] > 0 and by_worker["decode-1"] > 0, by_worker
+    assert results.count("UNAVAILABLE") == by_worker["decode-0"], (by_worker, results)
+    assert results.count("ok") == by_worker["decode-1"], (by_worker, results)
+    with Client(service.address, timeout=60) as client:  # at once, on the survivor
+        assert client.complete([7, 7, 7], sampling=GREEDY).usage.completion_tokens == 8
+        up = wait_until(lambda: all(w.up for w in stats(service.address).workers), RESTART_S,
+                        "decode-0 restarted and re-registered")
+        assert up
+        for i in range(4):  # both decode workers serve again
+            assert client.complete([8, 8, i], sampling=GREEDY).usage.completion_tokens == 8
+    restarted = next(w for w in stats(service.address).workers if w.worker_id == "decode-0")
+    assert restarted.num_used_blocks == 0 and restarted.num_blocks == 256
+
+
+def test_killed_prefill_worker_is_routed_around_then_restarted(service):
+    pool = service.service.pool
+    before = {w.worker_id: w.address for w in stats(service.address).workers}
+    os.kill(pool.pids("prefill-0")[0], signal.SIGKILL)
+    with Client(service.address, timeout=60) as client:
+        for i in range(6):  # right after the kill: retried on prefill-1, none fails
+            assert client.complete([11, 12, i] * 7, sampling=GREEDY).usage.completion_tokens == 8
+        wait_until(lambda: all(w.up for w in stats(service.address).workers), RESTART_S,
+                   "prefill-0 restarted and re-registered")
+        after = {w.worker_id: w.address for w in stats(service.address).workers}
+        assert after["prefill-0"] != before["prefill-0"]
+        assert client.complete([13, 14, 15] * 7, sampling=GREEDY).usage.completion_tokens == 8

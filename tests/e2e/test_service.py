@@ -1,0 +1,269 @@
+"""The whole service over real gRPC, a real Redis server and real Ray (two nodes).
+
+One service for the module: 1 prefill worker on the "prefill" node, 1 decode worker on the
+"decode" node, the router and a bundled redis-server, serving a tiny random Llama.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import redis
+
+from engine.sampling_params import SamplingParams
+from pdserve.client import AsyncClient, Client, PdserveError
+from pdserve.llm import LLM
+from proto import pdserve_pb2, raw_pb2
+from tests.e2e.harness import ServiceThread, health, raw_generate, stats, tiny_settings
+from tests.integration.hf_reference import mixed_prompts
+
+MAX_INFLIGHT, MAX_QUEUED = 16, 24
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster, tiny_llama_dir):
+    settings = tiny_settings(tiny_llama_dir, ray_cluster.address,
+                             max_inflight_requests=MAX_INFLIGHT, max_queued_requests=MAX_QUEUED)
+    running = ServiceThread(settings).start()
+    with Client(running.address) as client:
+        client.wait_ready(60)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), max_model_len=512, num_kv_blocks=256, num_threads=1)
+
+
+def wait_until(predicate, timeout: float, what: str):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"not true within {timeout} s: {what}")
+
+
+def all_blocks_free(address: str) -> bool:
+    return all(w.num_used_blocks == 0 and w.up for w in stats(address).workers)
+
+
+def test_greedy_matches_offline_engine(service, offline):
+    prompts = [list(p) for p in mixed_prompts(offline.config.model.vocab_size, seed=11)]
+    prompts = [p[:400] for p in prompts]
+    expected = [list(o.token_ids) for o in offline.generate(prompts, GREEDY)]
+    with Client(service.address, timeout=120) as client, ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda p: client.complete(p, sampling=GREEDY), prompts))
+    assert [list(c.token_ids) for c in got] == expected
+    assert all(c.finish_reason == "length" and c.usage.completion_tokens == 24 for c in got)
+    text = offline.tokenizer.decode(expected[0])
+    assert got[0].text == text
+    assert wait_until(lambda: all_blocks_free(service.address), 5, "every block freed")
+    # disaggregated for real: the prompts were prefilled (and cached) on the prefill worker
+    prefill = next(w for w in stats(service.address).workers if w.role == "prefill")
+    full_blocks = sum(len(p) // 16 for p in prompts)
+    assert prefill.num_cached_blocks >= full_blocks - 4, (prefill, full_blocks)
+
+
+def test_32_concurrent_streams_complete(service):
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
+
+    async def run():
+        async with AsyncClient(service.address, timeout=120) as client:
+            return await asyncio.gather(*[
+                client.complete([10 + i, 20 + i, 30 + i] * (i + 1), sampling=params)
+                for i in range(32)
+            ])
+
+    done = asyncio.run(run())
+    assert [c.usage.completion_tokens for c in done] == [16] * 32
+    assert {c.finish_reason for c in done} == {"length"}
+    assert len({c.request_id for c in done}) == 32
+
+
+def test_second_turn_of_a_session_reuses_the_first(service):
+    session = "s-two-turns"
+    turn1 = [{"role": "user", "content": "Name three colours of the rainbow, please."}]
+    with Client(service.address, timeout=120) as client:
+        first = client.complete(messages=turn1, session_id=session, sampling=GREEDY)
+        turn2 = turn1 + [{"role": "assistant", "content": first.text},
+                         {"role": "user", "content": "And two more?"}]
+        second = client.complete(messages=turn2, session_id=session, sampling=GREEDY)
+    # The first turn's prompt and most of its reply are served from the decode worker's cache
+    history = first.usage.prompt_tokens + first.usage.completion_tokens
+    assert second.usage.cached_tokens > first.usage.prompt_tokens
+    assert second.usage.cached_tokens >= history - 2 * 16 - 2
+    settings = service.service.settings
+    r = redis.Redis.from_url(service.service.redis.url)
+    key = f"{settings.redis_namespace}:session:{session}"
+    stored = r.hgetall(key)
+    assert stored[b"decode_worker"] == b"decode-0"
+    assert r.ttl(key) > 0
+    r.close()
+
+
+BAD_SAMPLING = [
+    ("temperature", {"temperature": -0.5}),
+    ("top_p", {"top_p": 0.0}),
+    ("top_p", {"top_p": 1.5}),
+    ("top_k", {"top_k": -2}),
+    ("min_p", {"min_p": 1.5}),
+    ("seed", {"seed": -1}),
+    ("logprobs", {"logprobs": 21}),
+    ("max_tokens", {"max_tokens": -3}),
+    ("max_tokens", {"max_tokens": 0}),
+    ("max_tokens", {"max_tokens": 10_000}),
+    ("stop_token_ids", {"stop_token_ids": [10**7]}),
+    ("stop", {"stop": [""]}),
+]
+
+
+@pytest.mark.parametrize("field,sampling", BAD_SAMPLING, ids=[f"{f}-{i}" for i, (f, _) in
+                                                              enumerate(BAD_SAMPLING)])
+def test_each_out_of_range_sampling_field_is_named(service, field, sampling):
+    request = pdserve_pb2.GenerateRequest(prompt="hello",
+                                          sampling=pdserve_pb2.SamplingParams(**sampling))
+    error = call_error(service.address, request)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"sampling.{field}" in error.details()
+
+
+@pytest.mark.parametrize("field,request_fields", [
+    ("prompt", {"prompt": ""}),
+    ("prompt", {}),
+    ("prompt", {"prompt": "x " * 600}),
+    ("prompt_token_ids", {"prompt_token_ids": [1, 2, 10**7]}),
+    ("messages[0].role", {"messages": [pdserve_pb2.ChatMessage(content="hi")]}),
+    ("model", {"prompt": "hi", "model": "gpt-17"}),
+    ("request_id", {"prompt": "hi", "request_id": "x" * 300}),
+])
+def test_bad_requests_are_refused_naming_the_field(service, field, request_fields):
+    request = pdserve_pb2.GenerateRequest(**request_fields)
+    error = call_error(service.address, request)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in error.details(), error.details()
+
+
+def test_invalid_utf8_is_invalid_argument_naming_the_field(service):
+    for raw, field in [
+        (raw_pb2.RawGenerateRequest(prompt=b"caf\xc3"), "prompt"),
+        (raw_pb2.RawGenerateRequest(prompt=b"ok", session_id=b"\xff"), "session_id"),
+        (raw_pb2.RawGenerateRequest(prompt=b"ok", sampling=raw_pb2.RawSamplingParams(
+            stop=[b"fine", b"\xfe\xff"])), "sampling.stop[1]"),
+    ]:
+        error = raw_generate(service.address, raw.SerializeToString())
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.details().startswith(field), error.details()
+
+
+def test_server_stays_healthy_after_bad_input(service):
+    for _ in range(20):
+        call_error(service.address, pdserve_pb2.GenerateRequest(prompt=""))
+    assert health(service.address) == "SERVING"
+    with Client(service.address, timeout=60) as client:
+        assert client.complete("hello", sampling=GREEDY).usage.completion_tokens == 24
+
+
+def test_full_queue_is_resource_exhausted(service):
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    total = MAX_INFLIGHT + MAX_QUEUED + 10
+
+    async def run():
+        async with AsyncClient(service.address, timeout=120) as client:
+            async def one(i):
+                try:
+                    async for _ in client.generate([5, 6, 7, i], sampling=params):
+                        pass
+                    return "ok"
+                except PdserveError as exc:
+                    return exc.code.name
+            tasks = [asyncio.create_task(one(i)) for i in range(total)]
+            while sum(t.done() for t in tasks) < total - MAX_INFLIGHT - MAX_QUEUED:
+                await asyncio.sleep(0.01)
+            refused = [t.result() for t in tasks if t.done()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return refused
+
+    refused = asyncio.run(run())
+    assert refused.count("RESOURCE_EXHAUSTED") >= total - MAX_INFLIGHT - MAX_QUEUED
+    assert wait_until(lambda: all_blocks_free(service.address), 10, "every block freed")
+
+
+def test_cancel_mid_stream_frees_every_block_within_a_second(service):
+    params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+    prompt = list(range(100, 180))  # 80 tokens: 5+ blocks on both workers
+    with Client(service.address, timeout=60) as client:
+        stream = client.generate(prompt, sampling=params)
+        for i, _ in enumerate(stream):
+            if i == 3:
+                break
+        busy = stats(service.address)
+        decode = next(w for w in busy.workers if w.role == "decode")
+        stream.close()  # cancels the RPC
+    cancelled_at = time.monotonic()
+    time.sleep(1.0)
+    after = stats(service.address)
+    assert all(w.num_used_blocks == 0 for w in after.workers), after
+    assert decode.num_blocks == 256
+    assert time.monotonic() - cancelled_at < 2.0
+
+
+def test_abort_by_request_id_ends_the_stream(service):
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    chunks = []
+    with Client(service.address, timeout=60) as client:
+        started = threading.Event()
+
+        def read():
+            for chunk in client.generate([9, 8, 7], sampling=params, request_id="to-abort"):
+                chunks.append(chunk)
+                started.set()
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert started.wait(30)
+        assert client.abort("to-abort")
+        reader.join(30)
+        assert not client.abort("to-abort")  # gone
+    assert chunks[-1].finish_reason == "abort"
+    assert chunks[-1].usage.completion_tokens < 400
+    assert wait_until(lambda: all_blocks_free(service.address), 5, "every block freed")
+
+
+def test_deadline_exceeded_frees_blocks(service):
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    with Client(service.address) as client, pytest.raises(PdserveError) as err:
+        client.complete([1, 2, 3, 4], sampling=params, timeout=0.5)
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_until(lambda: all_blocks_free(service.address), 5, "every block freed")
+
+
+def test_model_info_stats_and_metrics(service):
+    import urllib.request
+
+    with Client(service.address) as client:
+        info = client.model_info()
+        assert info.max_model_len == 512 and info.block_size == 16
+        assert {(w.worker_id, w.role, w.up) for w in client.stats().workers} == {
+            ("prefill-0", "prefill", True), ("decode-0", "decode", True)}
+    port = service.service.metrics_port
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert "pdserve_time_to_first_token_seconds_count" in text
+    ttft_count = next(float(line.split()[-1]) for line in text.splitlines()
+                      if line.startswith("pdserve_time_to_first_token_seconds_count"))
+    assert ttft_count >= 32
+    assert 'pdserve_kv_blocks_total{worker="decode-0"} 256.0' in text
+
+
+def call_error(address: str, request: pdserve_pb2.GenerateRequest) -> grpc.RpcError:
+    return raw_generate(address, request.SerializeToString())
