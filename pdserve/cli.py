@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
     except PdserveError as exc:
-        print(f"pdserve: {exc.code.name}: {exc}", file=sys.stderr)
+        print(f"pdserve: {exc}", file=sys.stderr)
         return 1
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from pdserve.settings import ServeSettings
@@ -93,6 +94,7 @@ class Service:
         return given or max(1, (os.cpu_count() or 2) // 2)  # the two pools split the cores
 
     def _make_pool(self, model_path: str, model_name: str, redis_url: str):
+        from engine.config import load_model_config, with_num_blocks
         from engine.worker_spec import WorkerSpec
         from pdserve.cluster import WorkerPool
 
@@ -111,8 +113,12 @@ class Service:
                 redis_password=s.redis_password, redis_namespace=s.redis_namespace,
             )
 
+        prefill = [spec(f"prefill-{i}", "prefill") for i in range(s.prefill_workers)]
+        # bad engine settings fail here, naming the field, not later inside a remote actor
+        with_num_blocks(replace(prefill[0], num_threads=None).engine_config().cache,
+                        load_model_config(model_path, s.dtype, s.max_model_len))
         return WorkerPool(
-            prefill=[spec(f"prefill-{i}", "prefill") for i in range(s.prefill_workers)],
+            prefill=prefill,
             decode=[spec(f"decode-{i}", "decode") for i in range(s.decode_workers)],
             decode_tp=s.decode_tp,
             gpus=s.device.startswith("cuda"),
@@ -142,6 +148,7 @@ class Service:
             await router.add_worker(info.worker_id, info.role, info.address)
         self.router_server = RouterServer(router, s.host, s.port)
         self.metrics_port = self.metrics.start_http(s.host, s.metrics_port)
+        await router.wait_ready(timeout=60)
         await self.router_server.start()
 
         async def on_up(info) -> None:

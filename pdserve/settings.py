@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -75,8 +76,10 @@ class ServeSettings:
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
-        if self.kv_transfer_timeout_s <= 0:
-            raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
+        if not 0 < self.kv_transfer_timeout_s < math.inf:
+            raise ValueError(
+                f"kv_transfer_timeout_s must be a positive number, got {self.kv_transfer_timeout_s}"
+            )
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -133,6 +136,9 @@ def _base_type(f: dataclasses.Field) -> type:
     return hint
 
 
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
 def _parse(f: dataclasses.Field, value: Any, where: str) -> Any:
     """A flag, env or YAML value as the field's type; ValueError naming where it came from."""
     kind = _base_type(f)
@@ -140,16 +146,19 @@ def _parse(f: dataclasses.Field, value: Any, where: str) -> Any:
         if f.default is None:
             return None
         raise ValueError(f"{where}: {f.name} needs a value")
-    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+    wrong = ValueError(f"{where}: {f.name} must be {_TYPE_NAMES[kind]}, got {value!r}")
+    if isinstance(value, bool) != (kind is bool) and not isinstance(value, str):
+        raise wrong
+    if isinstance(value, kind):
         return value
+    if kind is str or not isinstance(value, (str, int, float)):
+        raise wrong
+    text = str(value).strip().lower()
+    if kind is bool:
+        if text not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+            raise wrong
+        return text in ("1", "true", "yes", "on")
     try:
-        if kind is bool:
-            text = str(value).lower()
-            if text not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-                raise ValueError(text)
-            return text in ("1", "true", "yes", "on")
-        if kind is int:
-            return int(str(value).replace("_", ""))
-        return kind(value)
+        return int(text.replace("_", "")) if kind is int else float(text)
     except ValueError:
-        raise ValueError(f"{where}: {f.name} must be a {kind.__name__}, got {value!r}") from None
+        raise wrong from None

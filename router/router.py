@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -119,6 +120,15 @@ class Router:
             if client.worker_id == worker_id:
                 client.mark_down("reported dead by the supervisor")
 
+    async def wait_ready(self, timeout: float) -> None:
+        """Until every registered worker is in rotation; TimeoutError naming those that aren't."""
+        end = time.monotonic() + timeout
+        while not all(c.up for c in self.workers()):
+            if time.monotonic() > end:
+                down = [c.worker_id for c in self.workers() if not c.up]
+                raise TimeoutError(f"workers {down} not reachable after {timeout} s")
+            await asyncio.sleep(0.05)
+
     def workers(self) -> list[WorkerClient]:
         return [*self.prefill.values(), *self.decode.values()]
 
@@ -186,8 +196,8 @@ class Router:
                 excluded.clear()
                 await asyncio.sleep(delay)
                 continue
-            flight.worker_request_id = req.request_id + (f"~{len(lost_prefill)}" if lost_prefill
-                                                         else "")
+            if lost_prefill:  # a retry: no late message of the last attempt may match it
+                flight.worker_request_id = f"{req.request_id}~{secrets.token_hex(6)}"
             placement = Placement(decode, decode.open(flight.worker_request_id))
             flight.decode = decode
             try:
@@ -302,21 +312,6 @@ class Router:
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    def stats(self) -> pdserve_pb2.Stats:
-        stats = pdserve_pb2.Stats(num_queued=self.admission.num_queued,
-                                  num_inflight=self.admission.num_inflight,
-                                  redis_up=self.store is not None and self.store.healthy)
-        for c in self.workers():
-            load = c.load or worker_pb2.WorkerLoad()
-            stats.workers.append(pdserve_pb2.WorkerStats(
-                worker_id=c.worker_id, role=c.role, address=c.address, up=c.up,
-                num_blocks=load.num_blocks, num_free_blocks=load.num_free_blocks,
-                num_used_blocks=load.num_used_blocks, num_running=load.num_running,
-                num_waiting=load.num_waiting, num_cached_blocks=load.num_cached_blocks,
-                tp_size=load.tp_size or 1,
-            ))
-        return stats
 
 
 def _backoff():

@@ -19,7 +19,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from proto import pdserve_pb2
+from proto import pdserve_pb2, worker_pb2
 from router.admission import Overloaded
 from router.router import NoCapacity, Router
 from router.stream import WorkerFailed
@@ -82,7 +82,20 @@ class InferenceServicer:
         )
 
     async def GetStats(self, request, context):
-        return self.router.stats()
+        router = self.router
+        stats = pdserve_pb2.Stats(num_queued=router.admission.num_queued,
+                                  num_inflight=router.admission.num_inflight,
+                                  redis_up=router.store is not None and router.store.healthy)
+        for c in router.workers():
+            load = c.load or worker_pb2.WorkerLoad()
+            stats.workers.append(pdserve_pb2.WorkerStats(
+                worker_id=c.worker_id, role=c.role, address=c.address, up=c.up,
+                num_blocks=load.num_blocks, num_free_blocks=load.num_free_blocks,
+                num_used_blocks=load.num_used_blocks, num_running=load.num_running,
+                num_waiting=load.num_waiting, num_cached_blocks=load.num_cached_blocks,
+                tp_size=load.tp_size or 1,
+            ))
+        return stats
 
 
 def _parse_abort(data: bytes):

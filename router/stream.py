@@ -63,7 +63,7 @@ class ResponseStream:
             message, stop = self._message(token_ids, logprobs)
             if stop is not None:  # the worker is still generating: the caller frees it
                 flight.done = False
-                yield self._finish(message, "stop", stop)
+                yield self._finish(message, "stop", stop, delta.num_cached_tokens)
                 return
             if delta.finish_reason:
                 message.text += self.detok.flush()

@@ -68,10 +68,11 @@ class WorkerClient:
             try:
                 self.load = await self._stub.GetLoad(worker_pb2.GetLoadRequest(),
                                                      timeout=LOAD_TIMEOUT_S)
-                if not self.up:
+                up = self._on_load()
+                if up and not self.up:
                     logger.info("%s worker %s is up at %s", self.role, self.worker_id,
                                 self.address)
-                self.up = self._on_load()
+                self.up = up
             except grpc.aio.AioRpcError as exc:
                 self.mark_down(f"GetLoad: {exc.code().name}")
             await asyncio.sleep(LOAD_INTERVAL_S)
