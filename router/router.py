@@ -261,8 +261,8 @@ class Router:
                        excluded: set[str]) -> DecodeClient | None:
         loads = [
             DecodeLoad(c.worker_id, c.load.num_blocks,
-                       c.load.num_free_blocks - c.reserved_blocks,
-                       c.load.num_running + c.load.num_waiting + c.reserved_seqs,
+                       c.load.num_free_blocks - c.num_pending[0],
+                       c.load.num_running + c.load.num_waiting + c.num_pending[1],
                        c.load.max_num_seqs)
             for c in self.decode.values() if c.up and c.load is not None
         ]
@@ -275,8 +275,7 @@ class Router:
         if chosen is None:
             return None
         decode = self.decode[chosen]
-        decode.reserved_blocks += info.num_blocks_needed  # until its next load report
-        decode.reserved_seqs += 1
+        decode.note_sent(info.num_blocks_needed)
         return decode
 
     async def choose_prefill(self, prompt: list[int],

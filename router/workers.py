@@ -66,8 +66,7 @@ class WorkerClient:
     async def _poll_load(self) -> None:
         while True:
             try:
-                self.load = await self._stub.GetLoad(worker_pb2.GetLoadRequest(),
-                                                     timeout=LOAD_TIMEOUT_S)
+                self.load = await self._get_load()
                 up = self._on_load()
                 if up and not self.up:
                     logger.info("%s worker %s is up at %s", self.role, self.worker_id,
@@ -76,6 +75,9 @@ class WorkerClient:
             except grpc.aio.AioRpcError as exc:
                 self.mark_down(f"GetLoad: {exc.code().name}")
             await asyncio.sleep(LOAD_INTERVAL_S)
+
+    async def _get_load(self) -> worker_pb2.WorkerLoad:
+        return await self._stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=LOAD_TIMEOUT_S)
 
     def _on_load(self) -> bool:
         """A load report came in: whether the worker is in rotation now."""
@@ -111,8 +113,8 @@ class DecodeClient(WorkerClient):
         self._stub = worker_pb2_grpc.DecodeWorkerStub(self.channel)
         self._queues: dict[str, asyncio.Queue] = {}
         self._streaming = False
-        self.reserved_blocks = 0  # sent here by the router since the last load report
-        self.reserved_seqs = 0
+        self._sent = (0, 0)  # (blocks, requests) the router has sent here, ever
+        self._sent_before_load = (0, 0)  # ... before it asked for the load it holds
 
     def start(self) -> None:
         super().start()
@@ -145,9 +147,23 @@ class DecodeClient(WorkerClient):
         except grpc.aio.AioRpcError:
             return False
 
+    def note_sent(self, num_blocks: int) -> None:
+        """A request is on its way here: count it until a load report includes it."""
+        self._sent = (self._sent[0] + num_blocks, self._sent[1] + 1)
+
+    @property
+    def num_pending(self) -> tuple[int, int]:
+        """(blocks, requests) sent since the load report was asked for: not in it yet."""
+        return (self._sent[0] - self._sent_before_load[0],
+                self._sent[1] - self._sent_before_load[1])
+
+    async def _get_load(self) -> worker_pb2.WorkerLoad:
+        sent = self._sent
+        load = await super()._get_load()
+        self._sent_before_load = sent
+        return load
+
     def _on_load(self) -> bool:
-        """A load report came in: whether the worker is in rotation now."""
-        self.reserved_blocks = self.reserved_seqs = 0  # the fresh report counts them
         return self._streaming  # not in rotation until its outputs can be read
 
     async def _read_outputs(self) -> None:

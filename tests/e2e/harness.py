@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+import time
+from collections.abc import Iterator
 from dataclasses import replace
 
 import grpc
@@ -57,6 +60,27 @@ class ServiceThread:
     @property
     def router(self):
         return self.service.router_server.router
+
+
+@contextlib.contextmanager
+def running(settings: ServeSettings) -> Iterator[ServiceThread]:
+    """The service up (every worker reachable) for the duration of the block."""
+    service = ServiceThread(settings).start()
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
+def wait_until(predicate, timeout: float, what: str):
+    """The first truthy value of `predicate()`, polled until `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"not true within {timeout} s: {what}")
 
 
 def raw_generate(address: str, payload: bytes, timeout: float = 10.0) -> grpc.RpcError:

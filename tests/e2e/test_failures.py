@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 
 import grpc
 import pytest
@@ -17,7 +16,7 @@ import pytest
 from engine.sampling_params import SamplingParams
 from pdserve.client import AsyncClient, Client, PdserveError
 from proto import worker_pb2, worker_pb2_grpc
-from tests.e2e.harness import ServiceThread, health, stats, tiny_settings
+from tests.e2e.harness import health, running, stats, tiny_settings, wait_until
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 RESTART_S = 120.0
@@ -25,23 +24,10 @@ RESTART_S = 120.0
 
 @pytest.fixture(scope="module")
 def service(ray_cluster, tiny_llama_dir):
-    settings = tiny_settings(tiny_llama_dir, ray_cluster.address, prefill_workers=2,
-                             decode_workers=2)
-    running = ServiceThread(settings).start()
-    with Client(running.address) as client:
-        client.wait_ready(60)
-    yield running
-    running.stop()
+    with running(tiny_settings(tiny_llama_dir, ray_cluster.address, prefill_workers=2,
+                               decode_workers=2)) as service:
+        yield service
 
-
-def wait_until(predicate, timeout: float, what: str):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"not true within {timeout} s: {what}")
 
 
 def running_on(address: str) -> int:

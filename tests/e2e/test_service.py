@@ -20,7 +20,7 @@ from engine.sampling_params import SamplingParams
 from pdserve.client import AsyncClient, Client, PdserveError
 from pdserve.llm import LLM
 from proto import pdserve_pb2, raw_pb2
-from tests.e2e.harness import ServiceThread, health, raw_generate, stats, tiny_settings
+from tests.e2e.harness import health, raw_generate, running, stats, tiny_settings, wait_until
 from tests.integration.hf_reference import mixed_prompts
 
 MAX_INFLIGHT, MAX_QUEUED = 16, 24
@@ -29,28 +29,16 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def service(ray_cluster, tiny_llama_dir):
-    settings = tiny_settings(tiny_llama_dir, ray_cluster.address,
-                             max_inflight_requests=MAX_INFLIGHT, max_queued_requests=MAX_QUEUED)
-    running = ServiceThread(settings).start()
-    with Client(running.address) as client:
-        client.wait_ready(60)
-    yield running
-    running.stop()
+    with running(tiny_settings(tiny_llama_dir, ray_cluster.address,
+                               max_inflight_requests=MAX_INFLIGHT,
+                               max_queued_requests=MAX_QUEUED)) as service:
+        yield service
 
 
 @pytest.fixture(scope="module")
 def offline(tiny_llama_dir):
     return LLM(str(tiny_llama_dir), max_model_len=512, num_kv_blocks=256, num_threads=1)
 
-
-def wait_until(predicate, timeout: float, what: str):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"not true within {timeout} s: {what}")
 
 
 def all_blocks_free(address: str) -> bool:
