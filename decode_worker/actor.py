@@ -26,7 +26,6 @@ from engine.models.parallel import TensorParallel
 from engine.worker_spec import WorkerSpec
 from kvtransfer.descriptor import Endpoint
 from kvtransfer.rendezvous import GlooListener
-from prefill_worker.actor import loop_alive
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +103,7 @@ class DecodeRankActor:
     def ping(self) -> str | None:
         """Rank 0: its address; others: None. Raises when this rank can no longer serve."""
         if self.rank == 0:
-            if self.service is None or not loop_alive(self.service.worker):
+            if self.service is None or not self.service.worker.is_alive():
                 raise RuntimeError(f"decode worker {self.spec.worker_id}: not serving")
             return self.service.address
         if self.follower is None or not self.follower.is_alive():

@@ -115,6 +115,10 @@ class DecodeWorker:
         except queue.Empty:
             return ()
 
+    def is_alive(self) -> bool:
+        """Whether the engine loop still runs (a dead loop serves nothing)."""
+        return self._thread.is_alive()
+
     def stats(self) -> dict[str, int]:
         return self._call(self._stats)
 

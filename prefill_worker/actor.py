@@ -18,12 +18,6 @@ from prefill_worker.service import PrefillService
 logger = logging.getLogger(__name__)
 
 
-def loop_alive(worker: Any) -> bool:
-    """Whether a worker's engine loop thread still runs (a dead loop serves nothing)."""
-    thread = getattr(worker, "_thread", None)
-    return thread is None or thread.is_alive()
-
-
 class PrefillActor:
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = WorkerSpec.from_dict(spec).with_resolved_host()
@@ -34,7 +28,7 @@ class PrefillActor:
 
     def ping(self) -> str:
         """The gRPC address while the engine loop runs; raises once it has died."""
-        if not loop_alive(self.service.worker):
+        if not self.service.worker.is_alive():
             raise RuntimeError(f"prefill worker {self.spec.worker_id}: engine loop has stopped")
         return self.service.address
 

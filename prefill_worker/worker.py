@@ -107,6 +107,10 @@ class PrefillWorker:
             lambda: self._fail([request_id], RuntimeError(f"request {request_id} aborted"))
         )
 
+    def is_alive(self) -> bool:
+        """Whether the engine loop still runs (a dead loop serves nothing)."""
+        return self._thread.is_alive()
+
     def stats(self) -> dict[str, int]:
         kv, scheduler = self.core.kv_cache, self.core.scheduler
         return {"num_blocks": kv.pool.num_blocks, "num_free_blocks": kv.num_free_blocks,
