@@ -1,6 +1,6 @@
 """Offline throughput: pdserve `LLM.generate` vs transformers `generate` vs `generate_batch`.
 
-Workload: `--num-prompts` (64) requests from `benchmarks.workloads.sharegpt_like`: random
+Workload: `--num-prompts` (64) requests from `pdserve.bench.workloads.sharegpt_like`: random
 token-id prompts, input lengths LogNormal(median 150, sigma 0.9) clipped to [4, 1024], output
 lengths LogNormal(median 120, sigma 0.7) clipped to [4, 512], numpy seed `--seed`; `--scale`
 multiplies medians and upper clips (0.25 for a quick check). Model: SmolLM2-135M-Instruct,
@@ -48,7 +48,7 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-from benchmarks.workloads import BenchRequest, sharegpt_like  # noqa: E402
+from pdserve.bench.workloads import BenchRequest, sharegpt_like  # noqa: E402
 
 PDSERVE, HF_GENERATE, HF_BATCH = "pdserve", "hf generate", "hf generate_batch"
 BLOCK_SIZE = 16

@@ -3,6 +3,7 @@
     pdserve up                      Redis + Ray workers + router on this machine (Ctrl-C stops)
     pdserve generate "prompt"       stream an answer from a running service
     pdserve chat                    multi-turn conversation on one session
+    pdserve bench                   load a running service: latency percentiles, goodput
 
 Every `up` setting is a flag, a PDSERVE_* variable and a config-file key (pdserve/settings.py).
 The client commands read --address / PDSERVE_ADDRESS (default 127.0.0.1:50051).
@@ -19,6 +20,7 @@ import sys
 import uuid
 from collections.abc import Sequence
 
+from pdserve.bench import cli as bench_cli
 from pdserve.settings import ServeSettings
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -38,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="multi-turn conversation on stdin/stdout")
     chat.add_argument("--session-id", default=None, help="resume a session (default: new)")
     _client_args(chat)
+    bench_cli.add_parser(sub)
     return parser
 
 
@@ -64,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "up":
             return asyncio.run(_up(ServeSettings.load(args)))
+        if args.command == "bench":
+            return bench_cli.main(args)
         return _generate(args) if args.command == "generate" else _chat(args)
     except ValueError as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)

@@ -82,12 +82,16 @@ class Service:
         if ray.is_initialized():
             return
         s = self.settings
-        need = s.prefill_workers * self._threads("prefill") + (
+        need = self._num_prefill * self._threads("prefill") + (
             s.decode_workers * s.decode_tp * self._threads("decode"))
         start_ray(s.ray_address,
-                  resources={"prefill": s.prefill_workers, "decode": s.decode_workers},
+                  resources={"prefill": self._num_prefill, "decode": s.decode_workers},
                   num_cpus=max(os.cpu_count() or 1, need), tmpdir=None)
         self._started_ray = True
+
+    @property
+    def _num_prefill(self) -> int:
+        return 0 if self.settings.mode == "colocated" else self.settings.prefill_workers
 
     def _threads(self, role: str) -> int:
         given = getattr(self.settings, f"{role}_threads")
@@ -113,13 +117,14 @@ class Service:
                 redis_password=s.redis_password, redis_namespace=s.redis_namespace,
             )
 
-        prefill = [spec(f"prefill-{i}", "prefill") for i in range(s.prefill_workers)]
+        prefill = [spec(f"prefill-{i}", "prefill") for i in range(self._num_prefill)]
+        decode = [spec(f"decode-{i}", "decode") for i in range(s.decode_workers)]
         # bad engine settings fail here, naming the field, not later inside a remote actor
-        with_num_blocks(replace(prefill[0], num_threads=None).engine_config().cache,
+        with_num_blocks(replace(decode[0], num_threads=None).engine_config().cache,
                         load_model_config(model_path, s.dtype, s.max_model_len))
         return WorkerPool(
             prefill=prefill,
-            decode=[spec(f"decode-{i}", "decode") for i in range(s.decode_workers)],
+            decode=decode,
             decode_tp=s.decode_tp,
             gpus=s.device.startswith("cuda"),
         )
@@ -142,6 +147,7 @@ class Service:
             max_queued_requests=s.max_queued_requests,
             kv_transfer_timeout_s=s.kv_transfer_timeout_s,
             max_local_prefill_tokens=s.max_local_prefill_tokens,
+            colocated=s.mode == "colocated",
         )
         router = Router(model, config, self.metrics, self.store)
         for info in infos:

@@ -42,6 +42,8 @@ class ServeSettings:
     kernel_backend: str | None = _opt(None, "torch | triton (default: by device)")
     seed: int = _opt(0, "engine seed for unseeded sampling")
     # pools
+    mode: str = _opt("disaggregated", "disaggregated | colocated (each decode worker prefills "
+                     "its own prompts; no prefill pool: the baseline to compare with)")
     prefill_workers: int = _opt(1, "prefill workers")
     decode_workers: int = _opt(1, "decode worker groups")
     decode_tp: int = _opt(1, "tensor-parallel ranks per decode group")
@@ -73,6 +75,8 @@ class ServeSettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if self.mode not in ("disaggregated", "colocated"):
+            raise ValueError(f"mode must be disaggregated or colocated, got {self.mode!r}")
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")

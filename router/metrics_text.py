@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -52,11 +52,16 @@ def histogram_quantile(
     between its lower and upper bound (the first bucket's lower bound is 0); a rank in the
     +Inf bucket returns the largest finite bound. NaN for an empty histogram.
     """
+    return bucket_quantile(histogram_buckets(text, metric_name, labels), q)
+
+
+def bucket_quantile(buckets: Sequence[tuple[float, float]], q: float) -> float:
+    """The q-quantile of cumulative `(upper_bound, count)` buckets (e.g. the difference of
+    two scrapes, for what happened between them), interpolated as `histogram_quantile` does."""
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"q must be in [0, 1], got {q}")
-    buckets = histogram_buckets(text, metric_name, labels)
-    if not math.isinf(buckets[-1][0]) or len(buckets) < 2:
-        logger.warning("histogram %s lacks a +Inf bucket or finite buckets", metric_name)
+    if not buckets or not math.isinf(buckets[-1][0]) or len(buckets) < 2:
+        logger.warning("histogram lacks a +Inf bucket or finite buckets")
         return math.nan
     # Cumulative counts must not decrease; scrapes racing observations can break that.
     fixed: list[tuple[float, float]] = []

@@ -67,6 +67,7 @@ class RouterConfig:
     max_queued_requests: int = 1024
     kv_transfer_timeout_s: float = 30.0
     max_local_prefill_tokens: int = 256
+    colocated: bool = False  # no prefill pool: every decode worker prefills its own prompts
 
 
 @dataclass
@@ -223,7 +224,7 @@ class Router:
         prompt = list(req.prompt_token_ids)
         if session is not None and session.decode_worker == decode.worker_id:
             placement.session_hit = shared_prefix_len(session.token_ids, prompt)
-        if placement.session_hit and prefill_locally(
+        if self.config.colocated or placement.session_hit and prefill_locally(
                 len(prompt), placement.session_hit, self.config.max_local_prefill_tokens):
             return await _unavailable_on_error(decode, decode.submit(
                 worker_pb2.SubmitRequest(request_id=rid, prompt_token_ids=prompt,

@@ -3,8 +3,8 @@
 Status codes: INVALID_ARGUMENT names the field; RESOURCE_EXHAUSTED when the admission queue
 is full or no decode worker finds KV room in time; UNAVAILABLE when a worker holding the
 request dies or none is up. Health: "" and "pdserve.v1.Inference" are SERVING while at least
-one prefill and one decode worker are up; "pdserve.redis" is NOT_SERVING while Redis is
-unreachable (degraded: prefix routing and sessions are off, serving goes on).
+one decode and (unless colocated) one prefill worker are up; "pdserve.redis" is NOT_SERVING
+while Redis is unreachable (degraded: prefix routing and sessions are off, serving goes on).
 """
 
 from __future__ import annotations
@@ -162,7 +162,8 @@ class RouterServer:
     async def _refresh(self) -> None:
         router, metrics = self.router, self.router.metrics
         up = {c.role for c in router.workers() if c.up}
-        serving = SERVING if {"prefill", "decode"} <= up else NOT_SERVING
+        needed = {"decode"} if router.config.colocated else {"prefill", "decode"}
+        serving = SERVING if needed <= up else NOT_SERVING
         for name in ("", SERVICE):
             await self.health.set(name, serving)
         redis_up = False

@@ -32,7 +32,7 @@ def test_latency_observations_show_up_with_counts_and_sums():
     assert _sample(text, "pdserve_time_to_first_token_seconds_sum") == pytest.approx(0.6)
     assert _sample(text, 'pdserve_time_to_first_token_seconds_bucket{le="0.2"}') == 1
     assert _sample(text, 'pdserve_time_to_first_token_seconds_bucket{le="0.001"}') == 0
-    assert _sample(text, 'pdserve_time_to_first_token_seconds_bucket{le="60.0"}') == 2
+    assert _sample(text, 'pdserve_time_to_first_token_seconds_bucket{le="100.0"}') == 2
     assert _sample(text, "pdserve_e2e_request_latency_seconds_sum") == 3.0
     assert _sample(text, "pdserve_kv_transfer_latency_seconds_count") == 2
     assert _sample(text, "pdserve_kv_transfer_bytes_total") == 5120
@@ -46,8 +46,8 @@ def test_itl_spreads_a_multi_token_gap_per_token():
     assert _sample(text, "pdserve_inter_token_latency_seconds_count") == 4
     assert _sample(text, "pdserve_inter_token_latency_seconds_sum") == pytest.approx(0.11)
     assert _sample(text, 'pdserve_inter_token_latency_seconds_bucket{le="0.02"}') == 1
-    assert _sample(text, 'pdserve_inter_token_latency_seconds_bucket{le="0.03"}') == 4
-    assert _sample(text, 'pdserve_inter_token_latency_seconds_bucket{le="0.0005"}') == 0
+    assert _sample(text, 'pdserve_inter_token_latency_seconds_bucket{le="0.0316"}') == 4
+    assert _sample(text, 'pdserve_inter_token_latency_seconds_bucket{le="0.000501"}') == 0
     with pytest.raises(ValueError, match="count"):
         m.observe_itl(0.1, count=0)
     with pytest.raises(ValueError, match="seconds"):
@@ -195,13 +195,15 @@ def test_histogram_quantile_of_router_histogram_matches_hand_answer():
     # 100 observations uniformly placed at 0.005, 0.015, ..., 0.995 s
     for i in range(100):
         m.observe_ttft(0.005 + 0.01 * i)
-    assert 0.4 in LATENCY_BUCKETS and 0.5 in LATENCY_BUCKETS and 0.75 in LATENCY_BUCKETS
+    assert {0.447, 0.501, 0.891, 1.0} <= set(LATENCY_BUCKETS)
     text = m.render()
-    # median: rank 50; 40 obs <= 0.4, 50 obs <= 0.5 -> 0.4 + 0.1 * (50-40)/10 = 0.5
+    # median: rank 50; 45 obs <= 0.447 (i <= 44), 50 obs <= 0.501 (i <= 49)
+    #   -> 0.447 + (0.501 - 0.447) * (50 - 45) / (50 - 45) = 0.501
     assert histogram_quantile(text, "pdserve_time_to_first_token_seconds", 0.5) == pytest.approx(
-        0.5
+        0.501
     )
-    # p90: rank 90; 75 obs <= 0.75, 100 obs <= 1.0 -> 0.75 + 0.25 * 15/25 = 0.9
+    # p90: rank 90; 89 obs <= 0.891 (i <= 88), 100 obs <= 1.0
+    #   -> 0.891 + (1.0 - 0.891) * (90 - 89) / (100 - 89) = 0.9009...
     assert histogram_quantile(text, "pdserve_time_to_first_token_seconds", 0.9) == pytest.approx(
-        0.9
+        0.891 + 0.109 * 1 / 11
     )

@@ -1,0 +1,133 @@
+"""Disaggregated (1 prefill + 1 decode) vs colocated (2 workers that do both), same CPU budget.
+
+Both deployments run through the same router and clients, with the same seeded workloads and
+the same per-worker thread count; only where prefill runs differs. For each workload and each
+offered rate it prints request throughput, TTFT / TPOT percentiles, SLO attainment and goodput
+side by side, then writes one JSON, one markdown table and one PNG (latency CDFs, goodput vs
+rate) under --out.
+
+    .venv/bin/python benchmarks/pd_vs_colocated.py                  # SmolLM2, both workloads
+    .venv/bin/python benchmarks/pd_vs_colocated.py --rates 0.5,1 --num-requests 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ shadows nothing
+
+from pdserve.bench import arrivals, metrics, report, workloads  # noqa: E402
+from pdserve.bench.runner import run_jobs  # noqa: E402
+from pdserve.client import AsyncClient  # noqa: E402
+from pdserve.service import Service  # noqa: E402
+from pdserve.settings import ServeSettings  # noqa: E402
+
+WORKLOADS = {  # name: (input_len, output_len, SLO)
+    "prefill-heavy": (1024, 16, "ttft=2500,tpot=150"),
+    "decode-heavy": (128, 128, "ttft=1000,tpot=150"),
+}
+MODES = {
+    "disaggregated": {"mode": "disaggregated", "prefill_workers": 1, "decode_workers": 1},
+    "colocated": {"mode": "colocated", "decode_workers": 2},
+}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--rates", default="0.25,0.5,1,2", help="offered requests/s")
+    p.add_argument("--num-requests", type=int, default=24, help="per workload and rate")
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench-results/pd_vs_colocated")
+    return p.parse_args()
+
+
+async def run_mode(mode: str, args, rates: list[float]) -> dict:
+    settings = replace(
+        ServeSettings(), model=args.model, prefill_threads=args.threads,
+        decode_threads=args.threads, port=0, metrics_port=0, max_num_seqs=64,
+        max_model_len=2048, kv_cache_memory_bytes=512 << 20, **MODES[mode],
+    )
+    service = Service(settings)
+    await service.start()
+    results: dict = {}
+    try:
+        async with AsyncClient(service.address) as client:
+            vocab = (await client.model_info()).vocab_size
+            for name in args.workloads.split(","):
+                n_in, n_out, slo_text = WORKLOADS[name]
+                jobs = [[r] for r in workloads.grid([n_in], [n_out], args.num_requests, vocab,
+                                                    args.seed)]
+                await run_jobs(client, jobs[:2], [0.0, 0.0], progress=False)  # warm up
+                for rate in rates:
+                    times = arrivals.poisson_times(len(jobs), rate, 1.0, args.seed)
+                    records, duration = await run_jobs(client, jobs, times, progress=False)
+                    summary = metrics.summarize(records, duration, metrics.parse_slo(slo_text))
+                    results[(name, rate)] = (summary, records)
+                    print(f"{mode:>13} {name:>13} {rate:>5g} req/s: goodput "
+                          f"{summary.goodput:.3f}, TTFT p50 {summary.ttft.p50 * 1e3:.0f} ms, "
+                          f"TPOT p50 {summary.tpot.p50 * 1e3:.0f} ms", flush=True)
+    finally:
+        await service.stop()
+    return results
+
+
+def table(results: dict, names: list[str], rates: list[float]) -> str:
+    lines = []
+    for name in names:
+        slo = WORKLOADS[name][2]
+        n_in, n_out = WORKLOADS[name][:2]
+        lines += [f"\n### {name}: {n_in} prompt tokens, {n_out} output tokens, SLO {slo} (ms)\n",
+                  "| rate | mode | req/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | "
+                  "attained | goodput |", "|---|---|---|---|---|---|---|---|---|"]
+        for rate in rates:
+            for mode in MODES:
+                s = results[mode][(name, rate)][0]
+                lines.append(
+                    f"| {rate:g} | {mode} | {s.request_throughput:.2f} | "
+                    f"{s.ttft.p50 * 1e3:.0f} | {s.ttft.p99 * 1e3:.0f} | "
+                    f"{s.tpot.p50 * 1e3:.1f} | {s.tpot.p99 * 1e3:.1f} | "
+                    f"{s.slo_attainment:.0%} | {s.goodput:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    args = parse_args()
+    rates = [float(r) for r in args.rates.split(",")]
+    names = args.workloads.split(",")
+    started = time.time()
+    results = {mode: asyncio.run(run_mode(mode, args, rates)) for mode in MODES}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = (f"CPU budget: {os.cpu_count()} cores, {args.threads} torch thread(s) per worker, "
+            f"2 workers per mode; model {args.model}; {args.num_requests} requests per cell; "
+            f"Poisson arrivals, seed {args.seed}\n" + table(results, names, rates))
+    print(text)
+    (out / "table.md").write_text(text + "\n")
+    (out / "results.json").write_text(json.dumps({
+        "args": vars(args), "wall_s": time.time() - started,
+        "results": {f"{mode}/{name}/{rate:g}": s.to_dict()
+                    for mode, per in results.items() for (name, rate), (s, _) in per.items()},
+    }, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x)))
+    for name in names:
+        runs = [(f"{mode} {rate:g}/s", results[mode][(name, rate)][1])
+                for mode in MODES for rate in rates]
+        sweep = [(mode, [(rate, results[mode][(name, rate)][0]) for rate in rates])
+                 for mode in MODES]
+        report.plot(out / f"{name}.png", runs, sweep)
+    print(f"wrote {out}/table.md, results.json and one PNG per workload")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""`pdserve bench`: load a running pdserve, print TTFT / ITL / TPOT / E2E percentiles, goodput.
+
+    pdserve bench --workload sharegpt --num-requests 200 --rate 4 --slo ttft=500,tpot=50
+    pdserve bench --workload grid --input-lens 128,1024 --output-lens 16,256 --rates 1,2,4,8
+    pdserve bench --workload sessions --num-sessions 16 --turns 4 --concurrency 8
+
+Arrivals: Poisson at `--rate` (gamma gaps with `--burstiness`; inf = all at once), a sweep of
+rates (`--rates`), or a fixed `--concurrency` (closed loop). Writes `--json` and `--png`. When
+the router's /metrics is reachable it also prints the router's own TTFT and ITL medians over
+the run (the difference of two scrapes) beside the ones measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import urllib.request
+
+from pdserve.bench import arrivals, metrics, report, workloads
+from pdserve.bench.runner import Job, run_jobs
+from router.metrics_text import bucket_quantile, histogram_buckets
+
+ROUTER_HISTOGRAMS = {"ttft": "pdserve_time_to_first_token_seconds",
+                     "itl": "pdserve_inter_token_latency_seconds"}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark a running service", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--address", default="127.0.0.1:50051")
+    p.add_argument("--metrics-url", default="http://127.0.0.1:9400/metrics",
+                   help="the router's Prometheus endpoint ('' to skip the comparison)")
+    p.add_argument("--workload", choices=["sharegpt", "grid", "sessions"], default="sharegpt")
+    p.add_argument("--num-requests", type=int, default=100, help="sharegpt: requests")
+    p.add_argument("--scale", type=float, default=1.0, help="sharegpt: length scale")
+    p.add_argument("--input-lens", default="128,512", help="grid: prompt lengths")
+    p.add_argument("--output-lens", default="32,128", help="grid: output lengths")
+    p.add_argument("--num-per-cell", type=int, default=4, help="grid: requests per cell")
+    p.add_argument("--num-sessions", type=int, default=16, help="sessions: conversations")
+    p.add_argument("--turns", type=int, default=4, help="sessions: turns each")
+    p.add_argument("--first-len", type=int, default=256, help="sessions: first prompt")
+    p.add_argument("--turn-len", type=int, default=64, help="sessions: new tokens per turn")
+    p.add_argument("--output-len", type=int, default=64, help="sessions: answer length")
+    p.add_argument("--rate", type=float, default=math.inf, help="requests (jobs) per second")
+    p.add_argument("--rates", default="", help="a sweep: comma-separated rates")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    p.add_argument("--concurrency", type=int, default=None, help="at most this many at once")
+    p.add_argument("--slo", default="", help="e.g. ttft=500,tpot=50 (milliseconds)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--json", default="bench-results/bench.json", help="'' to skip")
+    p.add_argument("--png", default="bench-results/bench.png", help="'' to skip")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def main(args: argparse.Namespace) -> int:
+    return asyncio.run(_bench(args))
+
+
+def make_jobs(args: argparse.Namespace, vocab_size: int) -> list[Job]:
+    if args.workload == "sharegpt":
+        return [[r] for r in workloads.sharegpt_like(args.num_requests, vocab_size, args.seed,
+                                                     args.scale)]
+    if args.workload == "grid":
+        return [[r] for r in workloads.grid(_ints(args.input_lens), _ints(args.output_lens),
+                                            args.num_per_cell, vocab_size, args.seed)]
+    return workloads.sessions(args.num_sessions, args.turns, args.first_len, args.turn_len,
+                              args.output_len, vocab_size, args.seed)
+
+
+async def _bench(args: argparse.Namespace) -> int:
+    from pdserve.client import AsyncClient
+
+    slo = metrics.parse_slo(args.slo) if args.slo else None
+    rates = [float(r) for r in args.rates.split(",") if r] or [args.rate]
+    async with AsyncClient(args.address) as client:
+        await client.wait_ready(60)
+        info = await client.model_info()
+        jobs = make_jobs(args, info.vocab_size)
+        runs, sweep, comparisons = [], [], []
+        for rate in rates:
+            times = arrivals.poisson_times(len(jobs), rate, args.burstiness, args.seed)
+            before = _scrape(args.metrics_url)
+            records, duration = await run_jobs(client, jobs, times, args.concurrency,
+                                               args.temperature, args.timeout,
+                                               not args.no_progress)
+            summary = metrics.summarize(records, duration, slo)
+            label = f"{rate:g} req/s" if math.isfinite(rate) else "all at once"
+            print(report.format_table(summary, title=f"pdserve bench: {args.workload}, {label}"))
+            comparison = _compare(summary, before, _scrape(args.metrics_url))
+            for line in comparison.get("lines", []):
+                print(line)
+            runs.append((label, records))
+            sweep.append((rate, summary))
+            comparisons.append(comparison)
+    if len(rates) > 1:
+        print(report.format_sweep(sweep, title=f"pdserve bench sweep: {args.workload}"))
+    settings = {k: v for k, v in vars(args).items() if k != "func"}
+    if args.json:
+        report.write_json(args.json, settings, sweep, runs, comparisons)
+        print(f"wrote {args.json}")
+    if args.png:
+        report.plot(args.png, runs, [("pdserve", sweep)] if len(rates) > 1 else None)
+        print(f"wrote {args.png}")
+    return 0
+
+
+def _scrape(url: str) -> str | None:
+    if not url:
+        return None
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.read().decode()
+    except OSError:
+        return None
+
+
+def _compare(summary: metrics.Summary, before: str | None, after: str | None) -> dict:
+    """The router's TTFT / ITL medians over the run beside the ones measured here."""
+    if before is None or after is None:
+        return {}
+    out: dict = {"lines": []}
+    for key, name in ROUTER_HISTOGRAMS.items():
+        start = dict(histogram_buckets(before, name))
+        delta = [(le, n - start.get(le, 0.0)) for le, n in histogram_buckets(after, name)]
+        router_p50 = bucket_quantile(delta, 0.5)
+        measured = getattr(summary, key).p50
+        diff = (router_p50 - measured) / measured if measured else math.nan
+        out[key] = {"router_p50_s": router_p50, "client_p50_s": measured, "diff": diff}
+        out["lines"].append(f"router histogram {key} p50 {router_p50 * 1e3:.2f} ms vs measured "
+                            f"{measured * 1e3:.2f} ms ({diff:+.1%})")
+    return out
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]

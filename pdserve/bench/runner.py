@@ -1,0 +1,93 @@
+"""Drive a running pdserve with a workload and record every request's stream.
+
+A job is one conversation: a list of turns sent one after the other (a plain request is a
+one-turn job). Turn t's prompt is the conversation so far — every earlier prompt and answer —
+followed by the turn's new tokens, sent with the job's session id, so later turns find their
+prefix cached. Jobs start at their send times (open loop: Poisson, fixed rate, or all at once)
+and at most `concurrency` run at a time (closed loop when every send time is 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+from engine.sampling_params import SamplingParams
+from pdserve.bench.trace import RequestRecord
+from pdserve.bench.workloads import BenchRequest, turn_prompt
+from pdserve.client import AsyncClient, PdserveError
+
+Job = Sequence[BenchRequest]
+
+
+async def run_jobs(
+    client: AsyncClient,
+    jobs: Sequence[Job],
+    send_times: Sequence[float],
+    concurrency: int | None = None,
+    temperature: float = 0.0,
+    timeout_s: float = 600.0,
+    progress: bool = True,
+) -> tuple[list[RequestRecord], float]:
+    """Every turn's record (in completion order) and the run's duration in seconds."""
+    if len(send_times) != len(jobs):
+        raise ValueError(f"send_times: {len(send_times)} times for {len(jobs)} jobs")
+    limit = asyncio.Semaphore(concurrency or len(jobs) or 1)
+    records: list[RequestRecord] = []
+    bar = _progress_bar(sum(len(j) for j in jobs), progress)
+    start = time.perf_counter()
+
+    async def job(i: int, turns: Job) -> None:
+        await asyncio.sleep(max(0.0, start + send_times[i] - time.perf_counter()))
+        async with limit:
+            history: list[int] = []
+            for turn in turns:
+                prompt = turn_prompt(history, turn)
+                record, output = await _send(client, f"bench-{i}-{turn.turn}", turn, prompt,
+                                             start, temperature, timeout_s)
+                records.append(record)
+                bar.update(1)
+                if record.error is not None:
+                    return  # a conversation can't go on without its answer
+                history = prompt + output
+
+    await asyncio.gather(*(job(i, turns) for i, turns in enumerate(jobs)))
+    bar.close()
+    return records, time.perf_counter() - start
+
+
+async def _send(client: AsyncClient, request_id: str, turn: BenchRequest, prompt: list[int],
+                t0: float, temperature: float,
+                timeout_s: float) -> tuple[RequestRecord, list[int]]:
+    params = SamplingParams(temperature=temperature, max_tokens=turn.output_len,
+                            ignore_eos=True, seed=None)
+    times: list[float] = []
+    counts: list[int] = []
+    output: list[int] = []
+    error, cached = None, 0
+    sent = time.perf_counter() - t0
+    try:
+        async for chunk in client.generate(prompt, sampling=params, session_id=turn.session_id,
+                                           request_id=request_id, timeout=timeout_s):
+            if chunk.token_ids:
+                times.append(time.perf_counter() - t0)
+                counts.append(len(chunk.token_ids))
+                output.extend(chunk.token_ids)
+            if chunk.usage is not None:
+                cached = chunk.usage.cached_tokens
+    except PdserveError as exc:
+        error = exc.code.name
+    record = RequestRecord(
+        request_id=request_id, start=sent, end=time.perf_counter() - t0,
+        chunk_times=tuple(times), chunk_tokens=tuple(counts), num_prompt_tokens=len(prompt),
+        error=error, cached_tokens=cached, session_id=turn.session_id,
+    )
+    return record, output
+
+
+def _progress_bar(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, disable=not enabled, unit="req", leave=False, smoothing=0.1,
+                mininterval=0.5)
