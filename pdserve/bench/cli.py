@@ -59,15 +59,15 @@ def main(args: argparse.Namespace) -> int:
     return asyncio.run(_bench(args))
 
 
-def make_jobs(args: argparse.Namespace, vocab_size: int) -> list[Job]:
+def make_jobs(args: argparse.Namespace, vocab_size: int, seed: int) -> list[Job]:
     if args.workload == "sharegpt":
-        return [[r] for r in workloads.sharegpt_like(args.num_requests, vocab_size, args.seed,
+        return [[r] for r in workloads.sharegpt_like(args.num_requests, vocab_size, seed,
                                                      args.scale)]
     if args.workload == "grid":
         return [[r] for r in workloads.grid(_ints(args.input_lens), _ints(args.output_lens),
-                                            args.num_per_cell, vocab_size, args.seed)]
+                                            args.num_per_cell, vocab_size, seed)]
     return workloads.sessions(args.num_sessions, args.turns, args.first_len, args.turn_len,
-                              args.output_len, vocab_size, args.seed)
+                              args.output_len, vocab_size, seed)
 
 
 async def _bench(args: argparse.Namespace) -> int:
@@ -78,9 +78,10 @@ async def _bench(args: argparse.Namespace) -> int:
     async with AsyncClient(args.address) as client:
         await client.wait_ready(60)
         info = await client.model_info()
-        jobs = make_jobs(args, info.vocab_size)
         runs, sweep, comparisons = [], [], []
-        for rate in rates:
+        for i, rate in enumerate(rates):
+            # each rate gets fresh prompts of the same distribution: no cache hits across runs
+            jobs = make_jobs(args, info.vocab_size, args.seed + i)
             times = arrivals.poisson_times(len(jobs), rate, args.burstiness, args.seed)
             before = _scrape(args.metrics_url)
             records, duration = await run_jobs(client, jobs, times, args.concurrency,

@@ -1,8 +1,10 @@
 """Seeded synthetic workloads for the benchmarks, over random token ids.
 
-Every generator draws from numpy `default_rng(seed)`: the same arguments give the same
-requests. Prompt tokens are uniform random ids in [first_id, vocab_size), skipping the special
-tokens at the bottom of the vocabulary, so no prompt contains an end-of-text marker and no two
+Every generator draws from numpy `default_rng`: the same arguments give the same requests.
+`sharegpt_like` seeds it with `seed`, `grid` and `sessions` with `(seed, 1)` and `(seed, 2)`,
+so two workloads of one seed never draw the same token stream (they would share prefixes).
+Prompt tokens are uniform random ids in [first_id, vocab_size), skipping the special tokens
+at the bottom of the vocabulary, so no prompt contains an end-of-text marker and no two
 prompts share a prefix worth a KV block (prefix caching cannot help anyone) — except the turns
 of one multi-turn session, which share their whole conversation so far by construction.
 
@@ -128,7 +130,7 @@ def grid(
     if num_per_cell < 1:
         raise ValueError(f"num_per_cell must be >= 1, got {num_per_cell}")
     _check_vocab(vocab_size, first_id)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng((seed, 1))
     cells = list(itertools.product(input_lens, output_lens)) * num_per_cell
     order = rng.permutation(len(cells))
     return [
@@ -155,7 +157,7 @@ def sessions(
             f"output_len={output_len}"
         )
     _check_vocab(vocab_size, first_id)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng((seed, 2))
     out = []
     for i in range(num_sessions):
         sid = f"bench-{seed}-{i}"

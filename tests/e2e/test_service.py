@@ -257,3 +257,28 @@ def test_model_info_stats_and_metrics(service):
 
 def call_error(address: str, request: pdserve_pb2.GenerateRequest) -> grpc.RpcError:
     return raw_generate(address, request.SerializeToString())
+
+
+def test_bench_against_the_service_writes_table_json_png(service, tmp_path, capsys):
+    import json
+
+    from pdserve.cli import build_parser
+    from pdserve.cli import main as cli_main
+
+    out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
+    argv = ["bench", "--address", service.address, "--workload", "grid", "--input-lens", "24",
+            "--output-lens", "12", "--num-per-cell", "8", "--rates", "inf,50",
+            "--slo", "ttft=5000,tpot=1000", "--json", str(out_json), "--png", str(out_png),
+            "--metrics-url", f"http://127.0.0.1:{service.service.metrics_port}/metrics",
+            "--no-progress"]
+    build_parser().parse_args(argv)  # the CLI accepts what the docs show
+    assert cli_main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "TTFT" in printed and "router histogram ttft p50" in printed
+    data = json.loads(out_json.read_text())
+    assert [len(run["records"]) for run in data["runs"]] == [8, 8]
+    assert all(r["error"] is None for run in data["runs"] for r in run["records"])
+    assert all(run["summary"]["num_ok"] == 8 for run in data["runs"])
+    for run in data["runs"]:  # the router saw the same requests the client timed
+        assert run["extra"]["ttft"]["router_p50_s"] > 0
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
