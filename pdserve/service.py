@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 from dataclasses import replace
 from pathlib import Path
 
@@ -41,8 +42,8 @@ class Service:
         s = self.settings
         model_path = str(await asyncio.to_thread(resolve_model, s.model))
         model_name = s.model if not Path(s.model).is_dir() else Path(s.model).name
-        redis_url = s.redis_url or await asyncio.to_thread(self._start_redis)
         self._start_ray()  # on this thread: Ray's driver wants the main thread
+        redis_url = s.redis_url or await asyncio.to_thread(self._start_redis)
         self.pool = self._make_pool(model_path, model_name, redis_url)
         infos = await asyncio.to_thread(self.pool.start)
         await self._start_router(model_path, model_name, redis_url, infos)
@@ -67,9 +68,18 @@ class Service:
             self.redis.stop()
 
     def _start_redis(self) -> str:
+        """The bundled redis-server, where every worker can reach it: loopback when workers
+        bind loopback, else this node's address — then never without a password."""
         from pdserve.redis_server import RedisServer
 
-        self.redis = RedisServer(host=self.settings.host, password=self.settings.redis_password)
+        s = self.settings
+        host, password = s.host, s.redis_password
+        if s.worker_host not in ("127.0.0.1", "localhost"):
+            import ray
+
+            host = ray.util.get_node_ip_address() if s.worker_host == "auto" else s.worker_host
+            password = password or secrets.token_urlsafe(24)
+        self.redis = RedisServer(host=host, password=password)
         self.redis.start()
         logger.info("started redis-server on %s:%d", self.redis.host, self.redis.port)
         return self.redis.url
