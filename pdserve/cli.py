@@ -4,6 +4,7 @@
     pdserve generate "prompt"       stream an answer from a running service
     pdserve chat                    multi-turn conversation on one session
     pdserve bench                   load a running service: latency percentiles, goodput
+    pdserve profile / plan          measure the workers; simulate autoscaling policies
 
 Every `up` setting is a flag, a PDSERVE_* variable and a config-file key (pdserve/settings.py).
 The client commands read --address / PDSERVE_ADDRESS (default 127.0.0.1:50051).
@@ -21,6 +22,7 @@ import uuid
 from collections.abc import Sequence
 
 from pdserve.bench import cli as bench_cli
+from pdserve.planner import cli as planner_cli
 from pdserve.settings import ServeSettings
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -41,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--session-id", default=None, help="resume a session (default: new)")
     _client_args(chat)
     bench_cli.add_parser(sub)
+    planner_cli.add_parsers(sub)
     return parser
 
 
@@ -69,6 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_up(ServeSettings.load(args)))
         if args.command == "bench":
             return bench_cli.main(args)
+        if args.command in ("plan", "profile"):
+            return planner_cli.main(args)
         return _generate(args) if args.command == "generate" else _chat(args)
     except ValueError as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)

@@ -45,14 +45,14 @@ class PlannerPolicy:
     """Every knob of the planner; the YAML keys are these field names (see deploy/policies)."""
 
     name: str = ""
-    interval_s: float = 10.0  # how often the planner decides
+    interval_s: float = 5.0  # how often the planner decides
     ttft_target_s: float = 2.0  # time-to-first-token target (the p90 is checked)
     itl_target_s: float = 0.2  # inter-token latency target (YAML: itl_target_s or tpot_target_s)
     min_prefill_workers: int = 1
     max_prefill_workers: int = 8
     min_decode_workers: int = 1
     max_decode_workers: int = 8
-    scale_up_cooldown_s: float = 30.0  # no second scale-up of a pool within this
+    scale_up_cooldown_s: float = 15.0  # no second scale-up of a pool within this
     scale_down_cooldown_s: float = 120.0  # desired < current this long before a scale-down
     low_water: float = 0.6  # ... and the pool's utilisation under this fraction
     headroom: float = 0.2  # plan for (1 + headroom) x the observed load
@@ -211,8 +211,8 @@ def _damp(
         below[role] = None
         since = now - state.last_scale_up_s.get(role, -math.inf)
         if since < policy.scale_up_cooldown_s:
-            return current, f"up to {desired} held: cooldown ({since:.0f}s since last)", \
-                replace(state, below_since_s=below)
+            why = f"up to {desired} held: cooldown ({since:.0f}s since last)"
+            return current, why, replace(state, below_since_s=below)
         ups = {**state.last_scale_up_s, role: now}
         return desired, f"up to {desired}", replace(state, last_scale_up_s=ups,
                                                      below_since_s=below)

@@ -179,6 +179,7 @@ def test_deploy_policies_load():
     default = load_policy(ROOT / "deploy/policies/default.yaml")
     aggressive = load_policy(ROOT / "deploy/policies/aggressive.yaml")
     assert (default.name, aggressive.name) == ("default", "aggressive")
+    assert default == replace(PlannerPolicy(), name="default")  # the file shows the defaults
     assert aggressive.scale_down_cooldown_s < default.scale_down_cooldown_s
 
 
