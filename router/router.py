@@ -226,14 +226,13 @@ class Router:
             placement.session_hit = shared_prefix_len(session.token_ids, prompt)
         if self.config.colocated or placement.session_hit and prefill_locally(
                 len(prompt), placement.session_hit, self.config.max_local_prefill_tokens):
-            return await _unavailable_on_error(decode, decode.submit(
-                worker_pb2.SubmitRequest(request_id=rid, prompt_token_ids=prompt,
-                                         sampling=sampling)))
+            return await decode.submit(worker_pb2.SubmitRequest(
+                request_id=rid, prompt_token_ids=prompt, sampling=sampling))
         prefill, hits = await self.choose_prefill(prompt, lost_prefill)
         wall_deadline = time.time() + max(deadline - time.monotonic(), 0.0)
-        reply = await _unavailable_on_error(decode, decode.reserve(worker_pb2.ReserveRequest(
+        reply = await decode.reserve(worker_pb2.ReserveRequest(
             request_id=rid, prompt_token_ids=prompt, sampling=sampling,
-            sources=[prefill.source], deadline=wall_deadline)))
+            sources=[prefill.source], deadline=wall_deadline))
         if not reply.granted:
             return False
         flight.prefill = prefill
@@ -254,7 +253,7 @@ class Router:
         start = worker_pb2.StartRequest(request_id=rid, first_token_id=first.first_token_id)
         if first.HasField("logprob"):
             start.logprob.CopyFrom(first.logprob)
-        await _unavailable_on_error(decode, decode.start_request(start))
+        await decode.start_request(start)
         self.metrics.observe_transfer(first.transfer_bytes, first.transfer_s)
         return True
 
@@ -320,13 +319,3 @@ def _backoff():
         yield delay
         delay = min(delay * 2, RETRY_S[1])
 
-
-async def _unavailable_on_error(worker: WorkerClient, call):
-    """A control RPC to a worker; any transport failure means the worker is lost."""
-    try:
-        return await call
-    except grpc.aio.AioRpcError as exc:
-        if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-            raise InvalidArgument(exc.details()) from None
-        worker.mark_down(f"{exc.code().name}: {exc.details()}")
-        raise WorkerLost(f"{worker.role} worker {worker.worker_id}: {exc.details()}") from None

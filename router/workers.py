@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 
 from proto import worker_pb2, worker_pb2_grpc
+from router.validation import InvalidArgument
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,16 @@ class WorkerClient:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         await self.channel.close()
+
+    async def _call(self, call):
+        """A control RPC; a transport failure takes the worker out of rotation (WorkerLost)."""
+        try:
+            return await call
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidArgument(exc.details()) from None
+            self.mark_down(f"{exc.code().name}: {exc.details()}")
+            raise WorkerLost(f"{self.role} worker {self.worker_id}: {exc.details()}") from None
 
     def mark_down(self, reason: str) -> None:
         if self.up:
@@ -131,13 +142,13 @@ class DecodeClient(WorkerClient):
         self._queues.pop(request_id, None)
 
     async def reserve(self, request: worker_pb2.ReserveRequest) -> worker_pb2.ReserveResponse:
-        return await self._stub.Reserve(request, timeout=LOAD_TIMEOUT_S)
+        return await self._call(self._stub.Reserve(request, timeout=LOAD_TIMEOUT_S))
 
     async def start_request(self, request: worker_pb2.StartRequest) -> None:
-        await self._stub.Start(request, timeout=LOAD_TIMEOUT_S)
+        await self._call(self._stub.Start(request, timeout=LOAD_TIMEOUT_S))
 
     async def submit(self, request: worker_pb2.SubmitRequest) -> bool:
-        return (await self._stub.Submit(request, timeout=LOAD_TIMEOUT_S)).granted
+        return (await self._call(self._stub.Submit(request, timeout=LOAD_TIMEOUT_S))).granted
 
     async def abort(self, request_id: str) -> bool:
         try:
