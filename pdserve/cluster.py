@@ -108,6 +108,8 @@ async def _await(ref: Any) -> Any:
 async def _all(refs: Sequence[Any], timeout_s: float) -> list[Any]:
     """Every ref's value; raises the first failure, but only once every ref has settled."""
     gathered = asyncio.gather(*map(_await, refs), return_exceptions=True)
+    # when the wait is cancelled or times out, the cancelled gather's outcome is nobody's news
+    gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
     values = await asyncio.wait_for(gathered, timeout_s)
     for value in values:
         if isinstance(value, BaseException):
@@ -152,6 +154,8 @@ class WorkerPool:
         self._lock = threading.Lock()  # actors / pg of every worker (restarts run in threads)
         self._closed = False
         self._classes: dict[str, Any] = {}
+        self._supervision: tuple[Callback, Callback, float] | None = None
+        self._watchers: dict[str, asyncio.Task] = {}
 
     # ---- start ----
 
@@ -263,17 +267,59 @@ class WorkerPool:
     # ---- supervision ----
 
     async def supervise(self, on_up: Callback, on_down: Callback, interval_s: float = 0.5) -> None:
-        """Watch every worker until cancelled: `on_down(worker_id)` when one fails, then
-        `on_up(WorkerInfo)` with its new address once its replacement serves."""
-        watchers = [asyncio.create_task(self._watch(w, on_up, on_down, interval_s),
-                                        name=f"watch-{wid}")
-                    for wid, w in self._workers.items()]
+        """Watch every worker (and every one `add`ed later) until cancelled: `on_down(id)`
+        when one fails, then `on_up(WorkerInfo)` with its new address once its replacement
+        serves."""
+        self._supervision = (on_up, on_down, interval_s)
+        for w in list(self._workers.values()):
+            self._start_watch(w)
         try:
-            await asyncio.gather(*watchers)
+            await asyncio.Event().wait()
         finally:
+            self._supervision = None
+            watchers = list(self._watchers.values())
             for task in watchers:
                 task.cancel()
             await asyncio.gather(*watchers, return_exceptions=True)
+            self._watchers.clear()
+
+    def _start_watch(self, w: _Worker) -> None:
+        if self._supervision is not None:
+            wid = w.spec.worker_id
+            self._watchers[wid] = asyncio.create_task(self._watch(w, *self._supervision),
+                                                      name=f"watch-{wid}")
+
+    # ---- scaling ----
+
+    async def add(self, spec: WorkerSpec, role: str, tp_size: int = 1) -> WorkerInfo:
+        """Start one more worker (the planner scaling up); its info once it serves."""
+        if spec.worker_id in self._workers:
+            raise ValueError(f"worker id {spec.worker_id!r} is already in the pool")
+        w = _Worker(spec, role, tp_size)
+        self._workers[spec.worker_id] = w
+        try:
+            refs = await asyncio.to_thread(self._launch, w)
+            address, *_ = await _all(refs, self.start_timeout_s)
+        except BaseException:
+            del self._workers[spec.worker_id]
+            await asyncio.to_thread(self._kill, w, True)
+            raise
+        w.info = WorkerInfo(spec.worker_id, role, address, tp_size)
+        logger.info("worker %s added at %s", spec.worker_id, address)
+        self._start_watch(w)
+        return w.info
+
+    async def remove(self, worker_id: str) -> None:
+        """Stop a worker the router has drained (the planner scaling down)."""
+        w = self._workers.pop(worker_id)
+        watcher = self._watchers.pop(worker_id, None)
+        if watcher is not None:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await _all([a.stop.remote() for a in w.actors], STOP_TIMEOUT_S)
+        await asyncio.to_thread(self._kill, w, True)
+        logger.info("worker %s removed", worker_id)
 
     async def _watch(self, w: _Worker, on_up: Callback, on_down: Callback,
                      interval_s: float) -> None:

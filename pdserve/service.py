@@ -30,7 +30,13 @@ class Service:
         self.metrics = None
         self.metrics_port: int | None = None
         self._supervisor: asyncio.Task | None = None
+        self._planner: asyncio.Task | None = None
         self._started_ray = False
+        self._policy = None
+        if settings.planner_policy is not None:
+            from pdserve.planner.policy import load_policy
+
+            self._policy = load_policy(settings.planner_policy)
 
     @property
     def address(self) -> str:
@@ -49,9 +55,10 @@ class Service:
         await self._start_router(model_path, model_name, redis_url, infos)
 
     async def stop(self) -> None:
-        if self._supervisor is not None:
-            self._supervisor.cancel()
-            await asyncio.gather(self._supervisor, return_exceptions=True)
+        for task in (self._planner, self._supervisor):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self.router_server is not None:
             await self.router_server.stop()
         if self.metrics is not None:
@@ -92,10 +99,12 @@ class Service:
         if ray.is_initialized():
             return
         s = self.settings
-        need = self._num_prefill * self._threads("prefill") + (
-            s.decode_workers * s.decode_tp * self._threads("decode"))
-        start_ray(s.ray_address,
-                  resources={"prefill": self._num_prefill, "decode": s.decode_workers},
+        most = {"prefill": self._num_prefill, "decode": s.decode_workers}
+        if self._policy is not None:  # room for the planner's largest pools
+            most = {role: max(n, self._policy.bounds(role)[1]) for role, n in most.items()}
+        need = most["prefill"] * self._threads("prefill") + (
+            most["decode"] * s.decode_tp * self._threads("decode"))
+        start_ray(s.ray_address, resources=most,
                   num_cpus=max(os.cpu_count() or 1, need), tmpdir=None)
         self._started_ray = True
 
@@ -127,6 +136,7 @@ class Service:
                 redis_password=s.redis_password, redis_namespace=s.redis_namespace,
             )
 
+        self._spec = spec  # the planner builds the workers it adds the same way
         prefill = [spec(f"prefill-{i}", "prefill") for i in range(self._num_prefill)]
         decode = [spec(f"decode-{i}", "decode") for i in range(s.decode_workers)]
         # bad engine settings fail here, naming the field, not later inside a remote actor
@@ -172,3 +182,10 @@ class Service:
 
         self._supervisor = asyncio.create_task(
             self.pool.supervise(on_up, router.mark_down), name="worker-supervisor")
+        if self._policy is not None:
+            from pdserve.planner.live import LivePlanner
+            from pdserve.planner.perf_model import PerfModel
+
+            planner = LivePlanner(self._policy, PerfModel.load(s.planner_perf), router,
+                                  self.pool, self._spec, s.decode_tp)
+            self._planner = asyncio.create_task(planner.run(), name="planner")

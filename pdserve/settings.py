@@ -49,6 +49,10 @@ class ServeSettings:
     decode_tp: int = _opt(1, "tensor-parallel ranks per decode group")
     prefill_threads: int | None = _opt(None, "torch threads per prefill worker")
     decode_threads: int | None = _opt(None, "torch threads per decode rank")
+    planner_policy: str | None = _opt(
+        None, "autoscaling policy YAML (deploy/policies/); off when unset"
+    )
+    planner_perf: str | None = _opt(None, "performance model JSON from `pdserve profile`")
     # router
     host: str = _opt("127.0.0.1", "address the router, metrics and bundled Redis bind")
     worker_host: str = _opt(
@@ -80,6 +84,8 @@ class ServeSettings:
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        if (self.planner_policy is None) != (self.planner_perf is None):
+            raise ValueError("planner_policy and planner_perf go together: give both or neither")
         if not 0 < self.kv_transfer_timeout_s < math.inf:
             raise ValueError(
                 f"kv_transfer_timeout_s must be a positive number, got {self.kv_transfer_timeout_s}"

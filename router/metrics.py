@@ -116,6 +116,11 @@ class RouterMetrics:
 
     def _build_gauges(self) -> None:
         reg = self.registry
+        self.planner_desired = Gauge(
+            "pdserve_planner_desired_workers",
+            "Workers the autoscaling planner wants per pool (what Kubernetes scales on).",
+            ["role"], registry=reg,
+        )
         self.queue_depth = Gauge(
             "pdserve_queue_depth", "Requests waiting for admission.", registry=reg
         )
@@ -211,6 +216,9 @@ class RouterMetrics:
 
     def set_redis_up(self, up: bool) -> None:
         self.redis_up.set(1 if up else 0)
+
+    def set_planner_desired(self, role: str, count: int) -> None:
+        self.planner_desired.labels(role=role).set(count)
 
     # -- exposition ---------------------------------------------------------------------------
 

@@ -43,6 +43,19 @@ def histogram_buckets(
     return sorted(counts.items())
 
 
+def sample_value(text: bytes | str, name: str, labels: Mapping[str, str] | None = None) -> float:
+    """The sum of every sample named `name` whose labels include `labels` (0 when none)."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8")
+    wanted = dict(labels or {})
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in wanted.items())
+    )
+
+
 def histogram_quantile(
     text: bytes | str, metric_name: str, q: float, labels: Mapping[str, str] | None = None
 ) -> float:

@@ -100,6 +100,7 @@ class Router:
         self.prefill: dict[str, PrefillClient] = {}
         self.decode: dict[str, DecodeClient] = {}
         self.flights: dict[str, Flight] = {}
+        self.num_received = 0  # requests accepted for placement, ever (the planner's rate)
         self._background: set[asyncio.Task] = set()
 
     # ---- workers ----
@@ -115,6 +116,18 @@ class Router:
         if old is not None:
             old.mark_down("replaced")
             await old.close()
+
+    async def drain(self, worker_id: str, timeout_s: float = 600.0) -> None:
+        """Take a worker out of rotation, wait for its in-flight requests, forget it."""
+        pool: dict = self.prefill if worker_id in self.prefill else self.decode
+        client = pool[worker_id]
+        client.draining = True
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end and any(
+                client in (f.decode, f.prefill) for f in self.flights.values()):
+            await asyncio.sleep(0.1)
+        del pool[worker_id]
+        await client.close()
 
     def mark_down(self, worker_id: str) -> None:
         for client in self.workers():
@@ -147,6 +160,7 @@ class Router:
             raise InvalidArgument(f"request_id {req.request_id!r} is already in flight")
         flight = Flight(req.request_id, req.request_id)
         self.flights[req.request_id] = flight
+        self.num_received += 1
         try:
             async with self.admission.slot():
                 queued_s = time.monotonic() - received
@@ -190,7 +204,7 @@ class Router:
                 raise Aborted
             decode = self._choose_decode(req, session, excluded)
             if decode is None:
-                if not any(c.up for c in self.decode.values()):
+                if not any(c.in_rotation for c in self.decode.values()):
                     raise WorkerLost("no decode worker is up")
                 if time.monotonic() > deadline:
                     raise NoCapacity("every decode worker's KV cache is full; retry later")
@@ -264,7 +278,7 @@ class Router:
                        c.load.num_free_blocks - c.num_pending[0],
                        c.load.num_running + c.load.num_waiting + c.num_pending[1],
                        c.load.max_num_seqs)
-            for c in self.decode.values() if c.up and c.load is not None
+            for c in self.decode.values() if c.in_rotation and c.load is not None
         ]
         info = RoutingInfo(
             len(req.prompt_token_ids),
@@ -281,7 +295,7 @@ class Router:
     async def choose_prefill(self, prompt: list[int],
                              excluded: set[str] = frozenset()) -> tuple[PrefillClient, int]:
         """The prefill worker for this prompt and its prefix-cache hit there (tokens)."""
-        up = [c for c in self.prefill.values() if c.up and c.worker_id not in excluded]
+        up = [c for c in self.prefill.values() if c.in_rotation and c.worker_id not in excluded]
         if not up:
             raise WorkerLost("no prefill worker is up")
         hits: dict[str, int] = {}

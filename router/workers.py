@@ -43,9 +43,14 @@ class WorkerClient:
         self.channel = grpc.aio.insecure_channel(address)
         self.load: worker_pb2.WorkerLoad | None = None
         self.up = False
+        self.draining = False  # being scaled down: no new requests, in-flight ones finish
         self.num_inflight = 0
         self.num_inflight_tokens = 0
         self._tasks: list[asyncio.Task] = []
+
+    @property
+    def in_rotation(self) -> bool:
+        return self.up and not self.draining
 
     def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._poll_load(), name=f"load-{self.worker_id}"))
