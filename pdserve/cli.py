@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _client_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=os.environ.get("PDSERVE_ADDRESS", DEFAULT_ADDRESS),
                         help="router address (env PDSERVE_ADDRESS)")
+    parser.add_argument("--api-token", default=os.environ.get("PDSERVE_API_TOKEN"),
+                        help="the router's API token (env PDSERVE_API_TOKEN)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -124,7 +126,7 @@ def _stream(client, args, **request) -> str:
 def _generate(args: argparse.Namespace) -> int:
     from pdserve.client import Client
 
-    with Client(args.address) as client:
+    with Client(args.address, api_token=args.api_token) as client:
         if args.wait:
             client.wait_ready(args.wait)
         if args.raw:
@@ -139,7 +141,7 @@ def _chat(args: argparse.Namespace) -> int:
 
     session_id = args.session_id or f"chat-{uuid.uuid4().hex[:12]}"
     messages: list[dict[str, str]] = []
-    with Client(args.address) as client:
+    with Client(args.address, api_token=args.api_token) as client:
         if args.wait:
             client.wait_ready(args.wait)
         while True:

@@ -155,9 +155,11 @@ def _not_ready(address: str, timeout: float, last: str) -> TimeoutError:
 class Client:
     """Blocking client over one gRPC channel; `timeout` is the default deadline of every call."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = None) -> None:
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = None,
+                 api_token: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
+        self._metadata = (("authorization", f"Bearer {api_token}"),) if api_token else ()
         self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub = pdserve_pb2_grpc.InferenceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -220,13 +222,13 @@ class Client:
 
     def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
         try:
-            return method(request, timeout=self._deadline(timeout))
+            return method(request, timeout=self._deadline(timeout), metadata=self._metadata)
         except grpc.RpcError as e:
             raise _error(e) from e
 
     def _stream(self, request: pdserve_pb2.GenerateRequest,
                 timeout: float | None) -> Iterator[GenerateChunk]:
-        call = self._stub.Generate(request, timeout=timeout)
+        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             for msg in call:
                 yield chunk_from_proto(msg)
@@ -241,9 +243,11 @@ class Client:
 class AsyncClient:
     """The same API as Client over grpc.aio: `generate` is an async iterator, the rest awaits."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = None) -> None:
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = None,
+                 api_token: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
+        self._metadata = (("authorization", f"Bearer {api_token}"),) if api_token else ()
         self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub = pdserve_pb2_grpc.InferenceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -305,13 +309,14 @@ class AsyncClient:
 
     async def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
         try:
-            return await method(request, timeout=self._deadline(timeout))
+            return await method(request, timeout=self._deadline(timeout),
+                                metadata=self._metadata)
         except grpc.RpcError as e:
             raise _error(e) from e
 
     async def _stream(self, request: pdserve_pb2.GenerateRequest,
                       timeout: float | None) -> AsyncIterator[GenerateChunk]:
-        call = self._stub.Generate(request, timeout=timeout)
+        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             async for msg in call:
                 yield chunk_from_proto(msg)

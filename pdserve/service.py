@@ -172,7 +172,7 @@ class Service:
         router = Router(model, config, self.metrics, self.store)
         for info in infos:
             await router.add_worker(info.worker_id, info.role, info.address)
-        self.router_server = RouterServer(router, s.host, s.port)
+        self.router_server = RouterServer(router, s.host, s.port, s.api_token)
         self.metrics_port = self.metrics.start_http(s.host, s.metrics_port)
         await router.wait_ready(timeout=60)
         await self.router_server.start()

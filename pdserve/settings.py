@@ -70,6 +70,9 @@ class ServeSettings:
     ray_address: str | None = _opt(None, "existing Ray cluster (default: start a local one)")
     redis_url: str | None = _opt(None, "redis://host:port/db (default: start a bundled one)")
     redis_password: str | None = _opt(None, "Redis password")
+    api_token: str | None = _opt(
+        None, "clients must send `authorization: Bearer <token>` (health stays open)"
+    )
     redis_namespace: str = _opt("pdserve", "prefix of every Redis key")
     session_ttl_s: int = _opt(3600, "seconds a session outlives its last turn")
 

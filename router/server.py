@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from proto import pdserve_pb2, worker_pb2
 from router.admission import Overloaded
+from router.auth import TokenAuth
 from router.router import NoCapacity, Router
 from router.stream import WorkerFailed
 from router.validation import InvalidArgument, parse_generate_request, validate
@@ -123,9 +124,10 @@ def _handlers(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
 class RouterServer:
     """The gRPC server around a Router, plus the loop that keeps health and gauges current."""
 
-    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 0,
+                 api_token: str | None = None) -> None:
         self.router = router
-        self.server = grpc.aio.server()
+        self.server = grpc.aio.server(interceptors=[TokenAuth(api_token)] if api_token else [])
         self.server.add_generic_rpc_handlers((_handlers(InferenceServicer(router)),))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import urllib.request
 
 from pdserve.bench import arrivals, metrics, report, workloads
@@ -29,6 +30,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark a running service", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--address", default="127.0.0.1:50051")
+    p.add_argument("--api-token", default=os.environ.get("PDSERVE_API_TOKEN"),
+                   help="the router's API token (env PDSERVE_API_TOKEN)")
     p.add_argument("--metrics-url", default="http://127.0.0.1:9400/metrics",
                    help="the router's Prometheus endpoint ('' to skip the comparison)")
     p.add_argument("--workload", choices=["sharegpt", "grid", "sessions"], default="sharegpt")
@@ -75,7 +78,7 @@ async def _bench(args: argparse.Namespace) -> int:
 
     slo = metrics.parse_slo(args.slo) if args.slo else None
     rates = [float(r) for r in args.rates.split(",") if r] or [args.rate]
-    async with AsyncClient(args.address) as client:
+    async with AsyncClient(args.address, api_token=args.api_token) as client:
         await client.wait_ready(60)
         info = await client.model_info()
         runs, sweep, comparisons = [], [], []

@@ -69,3 +69,4 @@ def wait_for_address(server: subprocess.Popen, timeout: float) -> tuple[str, str
         if match:
             return match.group(1), "".join(lines)
     raise AssertionError("pdserve up did not come up:\n" + "".join(lines))
+

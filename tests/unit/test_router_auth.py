@@ -1,0 +1,52 @@
+"""The router's API-token interceptor in front of a real grpc.aio server (isolated from the
+router itself: a stand-in servicer answers)."""
+
+from __future__ import annotations
+
+
+def test_api_token_is_required_when_configured():
+    """TokenAuth in front of a real grpc.aio server: the router's interceptor, isolated."""
+    import asyncio
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from pdserve.client import AsyncClient, PdserveError
+    from proto import pdserve_pb2, pdserve_pb2_grpc
+    from router.auth import TokenAuth
+
+    class Stats(pdserve_pb2_grpc.InferenceServicer):
+        async def GetStats(self, request, context):
+            return pdserve_pb2.Stats(num_queued=7)
+
+        async def Generate(self, request, context):
+            yield pdserve_pb2.GenerateResponse(text="ok", finish_reason="length")
+
+    async def run():
+        server = grpc.aio.server(interceptors=[TokenAuth("s3cret")])
+        pdserve_pb2_grpc.add_InferenceServicer_to_server(Stats(), server)
+        checker = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        address = f"127.0.0.1:{port}"
+        try:
+            codes = []
+            for token in (None, "wrong", "s3cret"):
+                async with AsyncClient(address, timeout=5, api_token=token) as client:
+                    try:
+                        stats = await client.stats()
+                        text = (await client.complete("hi")).text
+                        codes.append(("OK", stats.num_queued, text))
+                    except PdserveError as exc:
+                        codes.append((exc.code.name,))
+            async with AsyncClient(address, timeout=5) as client:  # probes need no token
+                health_status = await client.health()
+            return codes, health_status
+        finally:
+            await server.stop(0)
+
+    codes, health_status = asyncio.run(run())
+    assert codes == [("UNAUTHENTICATED",), ("UNAUTHENTICATED",), ("OK", 7, "ok")]
+    assert health_status == health_pb2.HealthCheckResponse.ServingStatus.Name(
+        health_pb2.HealthCheckResponse.SERVING)
