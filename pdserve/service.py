@@ -33,6 +33,9 @@ class Service:
         self._planner: asyncio.Task | None = None
         self._started_ray = False
         self._policy = None
+        if (settings.planner_policy is None) != (settings.planner_perf is None):
+            raise ValueError("planner_policy and planner_perf go together: the policy's "
+                             "sizing needs the workers' measured performance")
         if settings.planner_policy is not None:
             from pdserve.planner.policy import load_policy
 

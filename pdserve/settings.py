@@ -87,8 +87,6 @@ class ServeSettings:
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
-        if (self.planner_policy is None) != (self.planner_perf is None):
-            raise ValueError("planner_policy and planner_perf go together: give both or neither")
         if not 0 < self.kv_transfer_timeout_s < math.inf:
             raise ValueError(
                 f"kv_transfer_timeout_s must be a positive number, got {self.kv_transfer_timeout_s}"

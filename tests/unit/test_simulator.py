@@ -264,7 +264,11 @@ def test_profile_on_the_tiny_checkpoint(tiny_llama_dir):
     llm = LLM(model=str(tiny_llama_dir), num_threads=1, kv_cache_memory_bytes=1 << 26)
     perf = profile(llm, prefill_lens=(64, 256), batch_sizes=(1, 16), contexts=(32, 768),
                    decode_steps=8, source={"threads": 1})
-    values = (perf.prefill_tokens_per_s, perf.decode_a_s, perf.decode_b_s, perf.decode_c_s)
-    assert all(math.isfinite(v) and v > 0 for v in values), values
-    assert len(perf.source["decode_points"]) == 4 and perf.source["threads"] == 1
-    assert perf.decode_step_time(16, 768) > perf.decode_step_time(1, 32)
+    assert math.isfinite(perf.prefill_tokens_per_s) and perf.prefill_tokens_per_s > 0
+    assert perf.decode_a_s > 0  # a step has a fixed cost; the slopes may fit to 0 (noise)
+    assert all(math.isfinite(v) and v >= 0 for v in (perf.decode_b_s, perf.decode_c_s))
+    points = perf.source["decode_points"]
+    assert len(points) == 4 and perf.source["threads"] == 1
+    # the fitted model is a model of the measurements: within 2x of every measured step
+    for batch, context, measured in points:
+        assert 0.5 < perf.decode_step_time(batch, context) / measured < 2.0, (points, perf)
