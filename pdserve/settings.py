@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import types
@@ -140,8 +141,13 @@ def _read_config(path: Path, cls: type) -> dict[str, Any]:
     return {k: _parse(fields[k], v, f"{path}: {k}") for k, v in data.items()}
 
 
+@functools.cache
+def _hints() -> dict[str, Any]:
+    return typing.get_type_hints(ServeSettings)
+
+
 def _base_type(f: dataclasses.Field) -> type:
-    hint = typing.get_type_hints(ServeSettings)[f.name]
+    hint = _hints()[f.name]
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     return hint

@@ -68,6 +68,14 @@ def histogram_quantile(
     return bucket_quantile(histogram_buckets(text, metric_name, labels), q)
 
 
+def quantile_between(before: bytes | str, after: bytes | str, metric_name: str,
+                     q: float) -> float:
+    """The q-quantile of what a histogram observed between two scrapes (NaN if nothing)."""
+    start = dict(histogram_buckets(before, metric_name))
+    delta = [(le, n - start.get(le, 0.0)) for le, n in histogram_buckets(after, metric_name)]
+    return bucket_quantile(delta, q)
+
+
 def bucket_quantile(buckets: Sequence[tuple[float, float]], q: float) -> float:
     """The q-quantile of cumulative `(upper_bound, count)` buckets (e.g. the difference of
     two scrapes, for what happened between them), interpolated as `histogram_quantile` does."""

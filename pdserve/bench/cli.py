@@ -20,7 +20,7 @@ import urllib.request
 
 from pdserve.bench import arrivals, metrics, report, workloads
 from pdserve.bench.runner import Job, run_jobs
-from router.metrics_text import bucket_quantile, histogram_buckets
+from router.metrics_text import quantile_between
 
 ROUTER_HISTOGRAMS = {"ttft": "pdserve_time_to_first_token_seconds",
                      "itl": "pdserve_inter_token_latency_seconds"}
@@ -127,9 +127,7 @@ def _compare(summary: metrics.Summary, before: str | None, after: str | None) ->
         return {}
     out: dict = {"lines": []}
     for key, name in ROUTER_HISTOGRAMS.items():
-        start = dict(histogram_buckets(before, name))
-        delta = [(le, n - start.get(le, 0.0)) for le, n in histogram_buckets(after, name)]
-        router_p50 = bucket_quantile(delta, 0.5)
+        router_p50 = quantile_between(before, after, name, 0.5)
         measured = getattr(summary, key).p50
         diff = (router_p50 - measured) / measured if measured else math.nan
         out[key] = {"router_p50_s": router_p50, "client_p50_s": measured, "diff": diff}

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 from engine.worker_spec import WorkerSpec
 from pdserve.planner.perf_model import PerfModel
 from pdserve.planner.policy import Decision, Observation, PlannerPolicy, PlannerState, decide
-from router.metrics_text import bucket_quantile, histogram_buckets, sample_value
+from router.metrics_text import quantile_between, sample_value
 from router.router import Router
 
 logger = logging.getLogger(__name__)
@@ -134,7 +133,4 @@ def _delta(last: Scrape, now: Scrape, name: str, labels: dict | None = None) -> 
 
 
 def _p90(last: Scrape, now: Scrape, name: str) -> float:
-    before = dict(histogram_buckets(last.text, name))
-    delta = [(le, n - before.get(le, 0.0)) for le, n in histogram_buckets(now.text, name)]
-    value = bucket_quantile(delta, 0.9)
-    return value if math.isfinite(value) else math.nan
+    return quantile_between(last.text, now.text, name, 0.9)

@@ -20,6 +20,7 @@ from engine.sampling_params import SamplingParams
 from pdserve.client import AsyncClient, Client, PdserveError
 from pdserve.llm import LLM
 from proto import pdserve_pb2, raw_pb2
+from router.metrics_text import sample_value
 from tests.e2e.harness import health, raw_generate, running, stats, tiny_settings, wait_until
 from tests.integration.hf_reference import mixed_prompts
 
@@ -197,15 +198,12 @@ def test_cancel_mid_stream_frees_every_block_within_a_second(service):
         for i, _ in enumerate(stream):
             if i == 3:
                 break
-        busy = stats(service.address)
-        decode = next(w for w in busy.workers if w.role == "decode")
+        wait_until(lambda: any(w.num_used_blocks for w in stats(service.address).workers
+                               if w.role == "decode"), 2, "the stream holds decode blocks")
         stream.close()  # cancels the RPC
-    cancelled_at = time.monotonic()
     time.sleep(1.0)
     after = stats(service.address)
     assert all(w.num_used_blocks == 0 for w in after.workers), after
-    assert decode.num_blocks == 256
-    assert time.monotonic() - cancelled_at < 2.0
 
 
 def test_abort_by_request_id_ends_the_stream(service):
@@ -246,13 +244,15 @@ def test_model_info_stats_and_metrics(service):
         assert info.max_model_len == 512 and info.block_size == 16
         assert {(w.worker_id, w.role, w.up) for w in client.stats().workers} == {
             ("prefill-0", "prefill", True), ("decode-0", "decode", True)}
-    port = service.service.metrics_port
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    assert "pdserve_time_to_first_token_seconds_count" in text
-    ttft_count = next(float(line.split()[-1]) for line in text.splitlines()
-                      if line.startswith("pdserve_time_to_first_token_seconds_count"))
-    assert ttft_count >= 32
-    assert 'pdserve_kv_blocks_total{worker="decode-0"} 256.0' in text
+    url = f"http://127.0.0.1:{service.service.metrics_port}/metrics"
+    name = "pdserve_time_to_first_token_seconds_count"
+    before = sample_value(urllib.request.urlopen(url, timeout=5).read(), name)
+    with Client(service.address, timeout=60) as client:
+        for i in range(3):
+            client.complete([3, 1, 4, i], sampling=GREEDY)
+    text = urllib.request.urlopen(url, timeout=5).read()
+    assert sample_value(text, name) == before + 3  # one TTFT per request, seen by the router
+    assert sample_value(text, "pdserve_kv_blocks_total", {"worker": "decode-0"}) == 256
 
 
 def call_error(address: str, request: pdserve_pb2.GenerateRequest) -> grpc.RpcError:
