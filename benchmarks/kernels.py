@@ -14,19 +14,15 @@ best of several runs is the figure that means something.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels.kv_quant import allocate_kv_cache  # noqa: E402
-from kernels.registry import KernelBackend, get_backend  # noqa: E402
+from pdserve.kernels.kv_quant import allocate_kv_cache
+from pdserve.kernels.registry import KernelBackend, get_backend
 
 
 @dataclass

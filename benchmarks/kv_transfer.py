@@ -32,14 +32,11 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvtransfer import (  # noqa: E402
+from pdserve.kvtransfer import (
     Endpoint,
     GlooConnector,
     GlooListener,
@@ -68,10 +65,10 @@ def raw_group(port: int, rank: int) -> dist.ProcessGroupGloo:
 def prefill_engines(tokens: int, threads: int):
     """A PrefillWorker pushing to the decode process, and a bare EngineCore as the baseline:
     the same SmolLM2 prompt, prefix caching off so every run computes all of it."""
-    from engine.config import CacheConfig, EngineConfig, SchedulerConfig, load_model_config
-    from engine.default_model import ensure_default_model
-    from engine.engine_core import EngineCore
-    from prefill_worker.worker import PrefillWorker
+    from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, load_model_config
+    from pdserve.engine.default_model import ensure_default_model
+    from pdserve.engine.engine_core import EngineCore
+    from pdserve.prefill_worker.worker import PrefillWorker
 
     blocks = -(-tokens // SMOLLM2.block_size) + 8
     config = EngineConfig(
@@ -85,8 +82,8 @@ def prefill_engines(tokens: int, threads: int):
 
 
 def prefill_alone(core, prompt: list[int]) -> float:
-    from engine.request import Request
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.request import Request
+    from pdserve.engine.sampling_params import SamplingParams
 
     start = time.perf_counter()
     core.add_request(Request(f"alone-{start}", tuple(prompt), SamplingParams(max_tokens=1)))
@@ -96,7 +93,7 @@ def prefill_alone(core, prompt: list[int]) -> float:
 
 
 def prefill_and_push(worker, prompt: list[int], desc: TransferDescriptor) -> float:
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.sampling_params import SamplingParams
 
     start = time.perf_counter()
     worker.prefill(desc.request_id, prompt, SamplingParams(max_tokens=1), desc).result()

@@ -43,10 +43,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-# Run as a script, sys.path[0] is benchmarks/, whose kernels.py would shadow the `kernels`
-# package: put the repository root there instead (spawned children inherit sys.path).
+# Run as a script, sys.path[0] is benchmarks/, whose kernels.py would shadow Hugging Face's
+# `kernels` package for transformers (and for the spawned children, which inherit sys.path).
 _HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 from pdserve.bench.workloads import BenchRequest, sharegpt_like  # noqa: E402
 
@@ -280,7 +280,7 @@ def _print_table(results: list[dict]) -> None:
 
 
 def _options(args: argparse.Namespace, reqs: list[BenchRequest]) -> dict:
-    from engine.default_model import ensure_default_model
+    from pdserve.engine.default_model import ensure_default_model
 
     path = ensure_default_model()
     hf = json.loads((path / "config.json").read_text())
@@ -323,7 +323,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = _parse_args(argv)
-    from engine.default_model import ensure_default_model
+    from pdserve.engine.default_model import ensure_default_model
 
     vocab = json.loads((ensure_default_model() / "config.json").read_text())["vocab_size"]
     reqs = sharegpt_like(args.num_prompts, vocab, args.seed, args.scale)

@@ -17,18 +17,15 @@ import asyncio
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ shadows nothing
-
-from pdserve.bench import arrivals, metrics, report, workloads  # noqa: E402
-from pdserve.bench.runner import run_jobs  # noqa: E402
-from pdserve.client import AsyncClient  # noqa: E402
-from pdserve.service import Service  # noqa: E402
-from pdserve.settings import ServeSettings  # noqa: E402
+from pdserve.bench import arrivals, metrics, report, workloads
+from pdserve.bench.runner import run_jobs
+from pdserve.client import AsyncClient
+from pdserve.service import Service
+from pdserve.settings import ServeSettings
 
 WORKLOADS = {  # name: (input_len, output_len, SLO in ms); sized for SmolLM2 on 1 CPU thread
     "prefill-heavy": (512, 8, "ttft=4000,tpot=250"),

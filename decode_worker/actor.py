@@ -20,12 +20,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from decode_worker.group import start_decode_rank
-from decode_worker.service import DecodeService
-from engine.models.parallel import TensorParallel
-from engine.worker_spec import WorkerSpec
-from kvtransfer.descriptor import Endpoint
-from kvtransfer.rendezvous import GlooListener
+from pdserve.decode_worker.group import start_decode_rank
+from pdserve.decode_worker.service import DecodeService
+from pdserve.engine.models.parallel import TensorParallel
+from pdserve.engine.worker_spec import WorkerSpec
+from pdserve.kvtransfer.descriptor import Endpoint
+from pdserve.kvtransfer.rendezvous import GlooListener
 
 logger = logging.getLogger(__name__)
 

@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from engine.model_runner import ModelRunner
-from engine.models.parallel import TensorParallel
-from engine.plan_broadcast import follow
-from kvtransfer.descriptor import TransferDescriptor
-from kvtransfer.errors import TransferError
-from kvtransfer.receiver import KVReceiver
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.models.parallel import TensorParallel
+from pdserve.engine.plan_broadcast import follow
+from pdserve.kvtransfer.descriptor import TransferDescriptor
+from pdserve.kvtransfer.errors import TransferError
+from pdserve.kvtransfer.receiver import KVReceiver
 
 logger = logging.getLogger(__name__)
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from decode_worker.follower import run_follower
-from decode_worker.worker import DecodeWorker
-from engine.config import EngineConfig, with_num_blocks
-from engine.model_runner import ModelRunner
-from engine.models.parallel import TensorParallel
-from kvtransfer.connector import Listener
-from kvtransfer.descriptor import Endpoint
-from kvtransfer.layout import KVLayout
-from kvtransfer.receiver import KVReceiver
+from pdserve.decode_worker.follower import run_follower
+from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.engine.config import EngineConfig, with_num_blocks
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.models.parallel import TensorParallel
+from pdserve.kvtransfer.connector import Listener
+from pdserve.kvtransfer.descriptor import Endpoint
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.receiver import KVReceiver
 
 
 def start_decode_rank(

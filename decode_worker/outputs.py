@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.scheduler_output import EngineCoreOutput, TokenLogprobs
+from pdserve.engine.scheduler_output import EngineCoreOutput, TokenLogprobs
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,11 @@ from concurrent import futures
 
 import grpc
 
-from decode_worker.outputs import DecodeOutput
-from decode_worker.worker import DecodeWorker
-from engine.wire import logprobs_from_proto, logprobs_to_proto, sampling_from_proto
-from kvtransfer.descriptor import Endpoint
-from proto import worker_pb2, worker_pb2_grpc
+from pdserve.decode_worker.outputs import DecodeOutput
+from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.engine.wire import logprobs_from_proto, logprobs_to_proto, sampling_from_proto
+from pdserve.kvtransfer.descriptor import Endpoint
+from pdserve.proto import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

@@ -25,18 +25,18 @@ from dataclasses import dataclass
 
 import torch
 
-from decode_worker.outputs import DecodeOutput
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.models.parallel import TensorParallel
-from engine.plan_broadcast import publish
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler_output import TokenLogprobs
-from kvtransfer.connector import Listener
-from kvtransfer.descriptor import Endpoint, TransferDescriptor
-from kvtransfer.layout import KVLayout
-from kvtransfer.receiver import KVReceiver
+from pdserve.decode_worker.outputs import DecodeOutput
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.models.parallel import TensorParallel
+from pdserve.engine.plan_broadcast import publish
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler_output import TokenLogprobs
+from pdserve.kvtransfer.connector import Listener
+from pdserve.kvtransfer.descriptor import Endpoint, TransferDescriptor
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.receiver import KVReceiver
 
 logger = logging.getLogger(__name__)
 

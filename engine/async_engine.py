@@ -13,10 +13,10 @@ import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
-from engine.input_processor import Prompt
-from engine.llm_engine import LLMEngine, PreparedRequest
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from pdserve.engine.input_processor import Prompt
+from pdserve.engine.llm_engine import LLMEngine, PreparedRequest
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

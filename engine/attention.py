@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.registry import KernelBackend
+from pdserve.kernels.registry import KernelBackend
 
 
 @dataclass(frozen=True)

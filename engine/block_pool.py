@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from engine.block_hash import BlockHash
+from pdserve.engine.block_hash import BlockHash
 
 logger = logging.getLogger(__name__)
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from engine.config import EngineConfig, with_num_blocks
-from engine.kv_cache_manager import KVCacheManager
-from engine.model_runner import ModelRunner
-from engine.models.parallel import TensorParallel
-from engine.plan_broadcast import publish, publish_plan
-from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler
-from engine.scheduler_output import EngineCoreOutput
+from pdserve.engine.config import EngineConfig, with_num_blocks
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.models.parallel import TensorParallel
+from pdserve.engine.plan_broadcast import publish, publish_plan
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_output import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
 

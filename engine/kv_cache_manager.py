@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from engine.block_hash import BlockHash, hash_blocks
-from engine.block_pool import Block, BlockPool
-from engine.request import Request
+from pdserve.engine.block_hash import BlockHash, hash_blocks
+from pdserve.engine.block_pool import Block, BlockPool
+from pdserve.engine.request import Request
 
 logger = logging.getLogger(__name__)
 

@@ -10,14 +10,14 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.engine_core import EngineCore
-from engine.input_processor import Prompt, check_prompt_length, tokenize_prompt
-from engine.outputs import RequestOutput
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler_output import EngineCoreOutput
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.input_processor import Prompt, check_prompt_length, tokenize_prompt
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler_output import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
 

@@ -12,15 +12,20 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
-from engine.config import EngineConfig
-from engine.loader import load_weights
-from engine.models import MODEL_CLASSES
-from engine.models.parallel import TensorParallel
-from engine.sampler import Sampler, SamplingBatch, make_generator
-from engine.scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
-from kernels.kv_quant import allocate_kv_cache
-from kernels.registry import get_backend
+from pdserve.engine.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.loader import load_weights
+from pdserve.engine.models import MODEL_CLASSES
+from pdserve.engine.models.parallel import TensorParallel
+from pdserve.engine.sampler import Sampler, SamplingBatch, make_generator
+from pdserve.engine.scheduler_output import (
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+from pdserve.kernels.kv_quant import allocate_kv_cache
+from pdserve.kernels.registry import get_backend
 
 logger = logging.getLogger(__name__)
 

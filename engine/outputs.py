@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.scheduler_output import TokenLogprobs
+from pdserve.engine.scheduler_output import TokenLogprobs
 
 
 @dataclass

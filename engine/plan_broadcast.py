@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from engine.models.parallel import TensorParallel
-from engine.sampling_params import SamplingParams
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from pdserve.engine.models.parallel import TensorParallel
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from engine.config import SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
-from engine.scheduler_output import (
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler_output import (
     EngineCoreOutput,
     RunnerOutput,
     ScheduledRequest,

@@ -5,9 +5,9 @@ No torch here: the router imports it.
 
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
-from engine.scheduler_output import TokenLogprobs
-from proto import pdserve_pb2
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler_output import TokenLogprobs
+from pdserve.proto import pdserve_pb2
 
 
 def sampling_from_proto(msg: pdserve_pb2.SamplingParams, default_max_tokens: int) -> SamplingParams:

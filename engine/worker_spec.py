@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig, load_model_config
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, load_model_config
 
 
 @dataclass(frozen=True)

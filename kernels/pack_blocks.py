@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_device, check_dtype, check_shape, new_output, pow2
+from pdserve.kernels.checks import check_device, check_dtype, check_shape, new_output, pow2
 
 TOKENS_PER_PROGRAM = 16
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import (
+from pdserve.kernels.checks import (
     FLOAT_DTYPES,
     check_block_tables,
     check_device,
@@ -29,7 +29,7 @@ from kernels.checks import (
     num_programs_target,
     pow2,
 )
-from kernels.paged_kv import decode_attention_torch, gather_kv  # noqa: F401  (re-export)
+from pdserve.kernels.paged_kv import decode_attention_torch, gather_kv  # noqa: F401  (re-export)
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per inner step

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import (
+from pdserve.kernels.checks import (
     FLOAT_DTYPES,
     check_block_tables,
     check_device,
@@ -29,7 +29,7 @@ from kernels.checks import (
     new_output,
     pow2,
 )
-from kernels.paged_kv import prefill_attention_torch
+from pdserve.kernels.paged_kv import prefill_attention_torch
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 64  # rows (query tokens x heads of one KV head) per program

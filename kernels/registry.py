@@ -13,23 +13,28 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.checks import interpreting
-from kernels.pack_blocks import pack_blocks, pack_blocks_ref, unpack_blocks, unpack_blocks_ref
-from kernels.paged_decode_attention import (
+from pdserve.kernels.checks import interpreting
+from pdserve.kernels.pack_blocks import (
+    pack_blocks,
+    pack_blocks_ref,
+    unpack_blocks,
+    unpack_blocks_ref,
+)
+from pdserve.kernels.paged_decode_attention import (
     paged_decode_attention,
     paged_decode_attention_int8,
     paged_decode_attention_int8_ref,
     paged_decode_attention_ref,
 )
-from kernels.paged_prefill_attention import (
+from pdserve.kernels.paged_prefill_attention import (
     paged_prefill_attention,
     paged_prefill_attention_int8,
     paged_prefill_attention_int8_ref,
     paged_prefill_attention_ref,
 )
-from kernels.rms_norm import rms_norm, rms_norm_ref
-from kernels.rotary_embedding import rotary_embedding, rotary_embedding_ref
-from kernels.store_kv import store_kv, store_kv_int8, store_kv_int8_ref, store_kv_ref
+from pdserve.kernels.rms_norm import rms_norm, rms_norm_ref
+from pdserve.kernels.rotary_embedding import rotary_embedding, rotary_embedding_ref
+from pdserve.kernels.store_kv import store_kv, store_kv_int8, store_kv_int8_ref, store_kv_ref
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import FLOAT_DTYPES, check_device, check_dtype, check_shape, pow2
+from pdserve.kernels.checks import FLOAT_DTYPES, check_device, check_dtype, check_shape, pow2
 
 
 @triton.jit

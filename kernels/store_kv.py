@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import (
+from pdserve.kernels.checks import (
     FLOAT_DTYPES,
     check_device,
     check_dtype,
@@ -21,7 +21,7 @@ from kernels.checks import (
     check_shape,
     pow2,
 )
-from kernels.kv_quant import MAX_SCALE, MIN_SCALE, QMAX, quantize_kv_ref
+from pdserve.kernels.kv_quant import MAX_SCALE, MIN_SCALE, QMAX, quantize_kv_ref
 
 # Kernels may read module globals only as constexprs.
 _QMAX = tl.constexpr(QMAX)

@@ -16,14 +16,19 @@
     errors.py       TransferError + ErrorCode, raised on both ends of a failed transfer
 """
 
-from kvtransfer.descriptor import DescriptorError, DestinationShard, Endpoint, TransferDescriptor
-from kvtransfer.errors import ErrorCode, TransferError
-from kvtransfer.header import HeaderError, LayoutMismatchError, MessageHeader
-from kvtransfer.layout import KVLayout, ShardRoute, reshard_routes, routes_from, routes_to
-from kvtransfer.loopback import LoopbackHub
-from kvtransfer.receiver import KVReceiver, ReceiverEvents
-from kvtransfer.rendezvous import GlooConnector, GlooListener
-from kvtransfer.sender import KVSender, PushHandle, PushPlan
+from pdserve.kvtransfer.descriptor import (
+    DescriptorError,
+    DestinationShard,
+    Endpoint,
+    TransferDescriptor,
+)
+from pdserve.kvtransfer.errors import ErrorCode, TransferError
+from pdserve.kvtransfer.header import HeaderError, LayoutMismatchError, MessageHeader
+from pdserve.kvtransfer.layout import KVLayout, ShardRoute, reshard_routes, routes_from, routes_to
+from pdserve.kvtransfer.loopback import LoopbackHub
+from pdserve.kvtransfer.receiver import KVReceiver, ReceiverEvents
+from pdserve.kvtransfer.rendezvous import GlooConnector, GlooListener
+from pdserve.kvtransfer.sender import KVSender, PushHandle, PushPlan
 
 __all__ = [
     "DescriptorError", "DestinationShard", "Endpoint", "ErrorCode", "GlooConnector",

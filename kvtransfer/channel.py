@@ -58,9 +58,9 @@ from typing import Any, Protocol
 
 import torch
 
-from kvtransfer.errors import ErrorCode, TransferError
-from kvtransfer.header import HEADER_SIZE, MessageHeader
-from kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.errors import ErrorCode, TransferError
+from pdserve.kvtransfer.header import HEADER_SIZE, MessageHeader
+from pdserve.kvtransfer.layout import KVLayout
 
 logger = logging.getLogger(__name__)
 

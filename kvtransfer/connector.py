@@ -21,10 +21,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from kvtransfer.channel import PairChannel
-from kvtransfer.descriptor import Endpoint
-from kvtransfer.errors import ErrorCode, TransferError
-from kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.channel import PairChannel
+from pdserve.kvtransfer.descriptor import Endpoint
+from pdserve.kvtransfer.errors import ErrorCode, TransferError
+from pdserve.kvtransfer.layout import KVLayout
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtransfer.layout import LAYOUT_ID_BYTES, KVLayout
+from pdserve.kvtransfer.layout import LAYOUT_ID_BYTES, KVLayout
 
 logger = logging.getLogger(__name__)
 

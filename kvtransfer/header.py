@@ -37,8 +37,8 @@ import struct
 from dataclasses import dataclass, replace
 from enum import IntEnum
 
-from kvtransfer.errors import ErrorCode
-from kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.errors import ErrorCode
+from pdserve.kvtransfer.layout import KVLayout
 
 MAGIC = b"PDKV"
 VERSION = 1

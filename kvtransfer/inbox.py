@@ -25,14 +25,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvtransfer.channel import PairChannel
-from kvtransfer.descriptor import Endpoint
-from kvtransfer.errors import ErrorCode, TransferError
-from kvtransfer.header import HeaderError, Kind, LayoutMismatchError, MessageHeader, decode
-from kvtransfer.landing import Delivery
+from pdserve.kvtransfer.channel import PairChannel
+from pdserve.kvtransfer.descriptor import Endpoint
+from pdserve.kvtransfer.errors import ErrorCode, TransferError
+from pdserve.kvtransfer.header import HeaderError, Kind, LayoutMismatchError, MessageHeader, decode
+from pdserve.kvtransfer.landing import Delivery
 
 if TYPE_CHECKING:
-    from kvtransfer.receiver import KVReceiver
+    from pdserve.kvtransfer.receiver import KVReceiver
 
 logger = logging.getLogger(__name__)
 

@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 
-from kvtransfer.channel import Op
-from kvtransfer.descriptor import Endpoint
-from kvtransfer.errors import ErrorCode, TransferError
-from kvtransfer.header import MessageHeader, TransferSlice
-from kvtransfer.layout import KVLayout
-from kvtransfer.reservation import Reservation, TransferState
-from kvtransfer.staging import BufferPool
+from pdserve.kvtransfer.channel import Op
+from pdserve.kvtransfer.descriptor import Endpoint
+from pdserve.kvtransfer.errors import ErrorCode, TransferError
+from pdserve.kvtransfer.header import MessageHeader, TransferSlice
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.reservation import Reservation, TransferState
+from pdserve.kvtransfer.staging import BufferPool
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class Landing:
         self, layout: KVLayout, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         head_range: tuple[int, int], backend: Any, max_payload_nbytes: int, max_inflight: int,
     ) -> None:
-        from kernels.registry import get_backend
+        from pdserve.kernels.registry import get_backend
 
         self.layout, self.kv_caches = layout, kv_caches
         self.head_start, self.head_end = head_range

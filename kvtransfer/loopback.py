@@ -21,8 +21,8 @@ from datetime import timedelta
 
 import torch
 
-from kvtransfer.channel import RECEIVER, SENDER, PairChannel
-from kvtransfer.connector import (
+from pdserve.kvtransfer.channel import RECEIVER, SENDER, PairChannel
+from pdserve.kvtransfer.connector import (
     AcceptFn,
     ChannelFn,
     Connector,
@@ -32,9 +32,9 @@ from kvtransfer.connector import (
     decode_answer,
     encode_answer,
 )
-from kvtransfer.descriptor import Endpoint
-from kvtransfer.errors import ErrorCode, TransferError
-from kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.descriptor import Endpoint
+from pdserve.kvtransfer.errors import ErrorCode, TransferError
+from pdserve.kvtransfer.layout import KVLayout
 
 logger = logging.getLogger(__name__)
 

@@ -27,15 +27,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtransfer.channel import PairChannel
-from kvtransfer.connector import Listener
-from kvtransfer.descriptor import Endpoint, TransferDescriptor
-from kvtransfer.errors import ErrorCode, TransferError
-from kvtransfer.header import DEFAULT_MAX_PAYLOAD_NBYTES, Kind, MessageHeader
-from kvtransfer.inbox import ChannelReader
-from kvtransfer.landing import Delivery, Landing
-from kvtransfer.layout import KVLayout, check_kv_caches
-from kvtransfer.reservation import Reservation, TransferState
+from pdserve.kvtransfer.channel import PairChannel
+from pdserve.kvtransfer.connector import Listener
+from pdserve.kvtransfer.descriptor import Endpoint, TransferDescriptor
+from pdserve.kvtransfer.errors import ErrorCode, TransferError
+from pdserve.kvtransfer.header import DEFAULT_MAX_PAYLOAD_NBYTES, Kind, MessageHeader
+from pdserve.kvtransfer.inbox import ChannelReader
+from pdserve.kvtransfer.landing import Delivery, Landing
+from pdserve.kvtransfer.layout import KVLayout, check_kv_caches
+from pdserve.kvtransfer.reservation import Reservation, TransferState
 
 logger = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kvtransfer.channel import RECEIVER, SENDER, PairChannel
-from kvtransfer.connector import (
+from pdserve.kvtransfer.channel import RECEIVER, SENDER, PairChannel
+from pdserve.kvtransfer.connector import (
     AcceptFn,
     ChannelFn,
     Connector,
@@ -39,9 +39,9 @@ from kvtransfer.connector import (
     decode_answer,
     encode_answer,
 )
-from kvtransfer.descriptor import Endpoint
-from kvtransfer.errors import ErrorCode, TransferError
-from kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.descriptor import Endpoint
+from pdserve.kvtransfer.errors import ErrorCode, TransferError
+from pdserve.kvtransfer.layout import KVLayout
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtransfer.descriptor import TransferDescriptor
-from kvtransfer.errors import TransferError
+from pdserve.kvtransfer.descriptor import TransferDescriptor
+from pdserve.kvtransfer.errors import TransferError
 
 
 class TransferState(enum.Enum):

@@ -30,13 +30,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtransfer.channel import Op, PairChannel
-from kvtransfer.connector import Connector
-from kvtransfer.descriptor import Endpoint, TransferDescriptor
-from kvtransfer.errors import ErrorCode, TransferError
-from kvtransfer.header import MAX_TRANSFERS, Kind, MessageHeader, TransferSlice
-from kvtransfer.layout import KVLayout, check_kv_caches, routes_from
-from kvtransfer.staging import BufferPool
+from pdserve.kvtransfer.channel import Op, PairChannel
+from pdserve.kvtransfer.connector import Connector
+from pdserve.kvtransfer.descriptor import Endpoint, TransferDescriptor
+from pdserve.kvtransfer.errors import ErrorCode, TransferError
+from pdserve.kvtransfer.header import MAX_TRANSFERS, Kind, MessageHeader, TransferSlice
+from pdserve.kvtransfer.layout import KVLayout, check_kv_caches, routes_from
+from pdserve.kvtransfer.staging import BufferPool
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class KVSender:
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, backend: object = None,
         pool: BufferPool | None = None,
     ) -> None:
-        from kernels.registry import get_backend
+        from pdserve.kernels.registry import get_backend
 
         self.layout, self.source, self.source_tp = layout, connector.source, source_tp
         self.head_start, self.head_end = layout.head_ranges(source_tp)[self.source.rank]

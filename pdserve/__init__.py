@@ -11,8 +11,8 @@ from typing import Any
 
 _EXPORTS = {
     "LLM": "pdserve.llm",
-    "RequestOutput": "engine.outputs",
-    "SamplingParams": "engine.sampling_params",
+    "RequestOutput": "pdserve.engine.outputs",
+    "SamplingParams": "pdserve.engine.sampling_params",
     "Client": "pdserve.client",
     "AsyncClient": "pdserve.client",
 }

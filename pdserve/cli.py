@@ -106,7 +106,7 @@ async def _up(settings: ServeSettings) -> int:
 
 
 def _sampling(args: argparse.Namespace):
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                           top_p=args.top_p, seed=args.seed)

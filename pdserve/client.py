@@ -20,10 +20,10 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.sampling_params import SamplingParams
-from engine.scheduler_output import TokenLogprobs
-from engine.wire import logprobs_from_proto, sampling_to_proto
-from proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler_output import TokenLogprobs
+from pdserve.engine.wire import logprobs_from_proto, sampling_to_proto
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engine.worker_spec import WorkerSpec
+from pdserve.engine.worker_spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -210,9 +210,9 @@ class WorkerPool:
     def _actor_class(self, role: str) -> Any:
         if role not in self._classes:  # imported here: the router process needs no torch
             if role == PREFILL:
-                from prefill_worker.actor import PrefillActor as cls
+                from pdserve.prefill_worker.actor import PrefillActor as cls
             else:
-                from decode_worker.actor import DecodeRankActor as cls
+                from pdserve.decode_worker.actor import DecodeRankActor as cls
             self._classes[role] = ray.remote(cls)
         return self._classes[role]
 

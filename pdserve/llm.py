@@ -6,12 +6,12 @@ import itertools
 import logging
 from collections.abc import Sequence
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig, load_model_config
-from engine.default_model import DEFAULT_MODEL, resolve_model
-from engine.input_processor import Prompt, chat_prompt
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, load_model_config
+from pdserve.engine.default_model import DEFAULT_MODEL, resolve_model
+from pdserve.engine.input_processor import Prompt, chat_prompt
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

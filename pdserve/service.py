@@ -46,7 +46,7 @@ class Service:
         return self.router_server.address
 
     async def start(self) -> None:
-        from engine.default_model import resolve_model
+        from pdserve.engine.default_model import resolve_model
 
         s = self.settings
         model_path = str(await asyncio.to_thread(resolve_model, s.model))
@@ -120,9 +120,9 @@ class Service:
         return given or max(1, (os.cpu_count() or 2) // 2)  # the two pools split the cores
 
     def _make_pool(self, model_path: str, model_name: str, redis_url: str):
-        from engine.config import load_model_config, with_num_blocks
-        from engine.worker_spec import WorkerSpec
         from pdserve.cluster import WorkerPool
+        from pdserve.engine.config import load_model_config, with_num_blocks
+        from pdserve.engine.worker_spec import WorkerSpec
 
         s = self.settings
 
@@ -153,11 +153,11 @@ class Service:
         )
 
     async def _start_router(self, model_path, model_name, redis_url, infos) -> None:
-        from router.metrics import RouterMetrics
-        from router.router import Router, RouterConfig
-        from router.server import RouterServer
-        from router.store import RedisStore
-        from router.validation import ModelContext
+        from pdserve.router.metrics import RouterMetrics
+        from pdserve.router.router import Router, RouterConfig
+        from pdserve.router.server import RouterServer
+        from pdserve.router.store import RedisStore
+        from pdserve.router.validation import ModelContext
 
         s = self.settings
         model = await asyncio.to_thread(ModelContext.load, model_path, model_name, s.dtype,

@@ -12,8 +12,8 @@ import logging
 import os
 from typing import Any
 
-from engine.worker_spec import WorkerSpec
-from prefill_worker.service import PrefillService
+from pdserve.engine.worker_spec import WorkerSpec
+from pdserve.prefill_worker.service import PrefillService
 
 logger = logging.getLogger(__name__)
 

@@ -13,13 +13,13 @@ from concurrent import futures
 
 import grpc
 
-from engine.wire import logprobs_to_proto, sampling_from_proto
-from engine.worker_spec import WorkerSpec
-from kvtransfer.descriptor import Endpoint, TransferDescriptor
-from kvtransfer.rendezvous import GlooConnector
-from prefill_worker.prefix_events import PrefixIndexPublisher
-from prefill_worker.worker import PrefillWorker
-from proto import worker_pb2, worker_pb2_grpc
+from pdserve.engine.wire import logprobs_to_proto, sampling_from_proto
+from pdserve.engine.worker_spec import WorkerSpec
+from pdserve.kvtransfer.descriptor import Endpoint, TransferDescriptor
+from pdserve.kvtransfer.rendezvous import GlooConnector
+from pdserve.prefill_worker.prefix_events import PrefixIndexPublisher
+from pdserve.prefill_worker.worker import PrefillWorker
+from pdserve.proto import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

@@ -21,17 +21,17 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler_output import TokenLogprobs
-from kvtransfer.connector import Connector
-from kvtransfer.descriptor import TransferDescriptor
-from kvtransfer.errors import ErrorCode, TransferError
-from kvtransfer.layout import KVLayout
-from kvtransfer.sender import KVSender, PushHandle, PushPlan
-from prefill_worker.prefix_events import PrefixIndexPublisher
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler_output import TokenLogprobs
+from pdserve.kvtransfer.connector import Connector
+from pdserve.kvtransfer.descriptor import TransferDescriptor
+from pdserve.kvtransfer.errors import ErrorCode, TransferError
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.sender import KVSender, PushHandle, PushPlan
+from pdserve.prefill_worker.prefix_events import PrefixIndexPublisher
 
 logger = logging.getLogger(__name__)
 

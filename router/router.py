@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.block_hash import hash_blocks
-from engine.wire import sampling_to_proto
-from proto import pdserve_pb2, worker_pb2
-from router.admission import Admission
-from router.metrics import RouterMetrics
-from router.policy import (
+from pdserve.engine.block_hash import hash_blocks
+from pdserve.engine.wire import sampling_to_proto
+from pdserve.proto import pdserve_pb2, worker_pb2
+from pdserve.router.admission import Admission
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policy import (
     DecodeLoad,
     PrefillLoad,
     RoutingInfo,
@@ -33,10 +33,10 @@ from router.policy import (
     prefill_locally,
     shared_prefix_len,
 )
-from router.store import RedisStore, Session
-from router.stream import ResponseStream
-from router.validation import InvalidArgument, ModelContext, ValidRequest
-from router.workers import DecodeClient, PrefillClient, WorkerClient, WorkerLost
+from pdserve.router.store import RedisStore, Session
+from pdserve.router.stream import ResponseStream
+from pdserve.router.validation import InvalidArgument, ModelContext, ValidRequest
+from pdserve.router.workers import DecodeClient, PrefillClient, WorkerClient, WorkerLost
 
 logger = logging.getLogger(__name__)
 

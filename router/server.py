@@ -19,13 +19,13 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from proto import pdserve_pb2, worker_pb2
-from router.admission import Overloaded
-from router.auth import TokenAuth
-from router.router import NoCapacity, Router
-from router.stream import WorkerFailed
-from router.validation import InvalidArgument, parse_generate_request, validate
-from router.workers import WorkerLost
+from pdserve.proto import pdserve_pb2, worker_pb2
+from pdserve.router.admission import Overloaded
+from pdserve.router.auth import TokenAuth
+from pdserve.router.router import NoCapacity, Router
+from pdserve.router.stream import WorkerFailed
+from pdserve.router.validation import InvalidArgument, parse_generate_request, validate
+from pdserve.router.workers import WorkerLost
 
 logger = logging.getLogger(__name__)
 

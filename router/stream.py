@@ -12,14 +12,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from engine.detokenizer import IncrementalDetokenizer
-from proto import pdserve_pb2
-from router.metrics import RouterMetrics
-from router.validation import ValidRequest
-from router.workers import Lost, WorkerLost
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.proto import pdserve_pb2
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.validation import ValidRequest
+from pdserve.router.workers import Lost, WorkerLost
 
 if TYPE_CHECKING:
-    from router.router import Flight, Placement
+    from pdserve.router.router import Flight, Placement
 
 
 class WorkerFailed(Exception):

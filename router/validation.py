@@ -13,11 +13,11 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from engine.config import load_model_config
-from engine.input_processor import chat_prompt, check_prompt_length, tokenize_prompt
-from engine.sampling_params import SamplingParams
-from engine.wire import sampling_from_proto
-from proto import pdserve_pb2, raw_pb2
+from pdserve.engine.config import load_model_config
+from pdserve.engine.input_processor import chat_prompt, check_prompt_length, tokenize_prompt
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.wire import sampling_from_proto
+from pdserve.proto import pdserve_pb2, raw_pb2
 
 MAX_ID_CHARS = 256
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from proto import worker_pb2, worker_pb2_grpc
-from router.validation import InvalidArgument
+from pdserve.proto import worker_pb2, worker_pb2_grpc
+from pdserve.router.validation import InvalidArgument
 
 logger = logging.getLogger(__name__)
 

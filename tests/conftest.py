@@ -13,8 +13,8 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from engine.default_model import ensure_default_model
-from engine.tiny_models import write_tiny_model
+from pdserve.engine.default_model import ensure_default_model
+from tests.tiny_models import write_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -12,16 +12,16 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.attention import Attention, AttentionMetadata
-from engine.config import ModelConfig
-from engine.models.parallel import (
+from pdserve.engine.attention import Attention, AttentionMetadata
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.models.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     TensorParallel,
     VocabParallelEmbedding,
 )
-from engine.models.rope import rope_tables
-from kernels.registry import KernelBackend
+from pdserve.engine.models.rope import rope_tables
+from pdserve.kernels.registry import KernelBackend
 
 
 class RMSNorm(torch.nn.Module):

@@ -20,7 +20,7 @@ import urllib.request
 
 from pdserve.bench import arrivals, metrics, report, workloads
 from pdserve.bench.runner import Job, run_jobs
-from router.metrics_text import quantile_between
+from pdserve.router.metrics_text import quantile_between
 
 ROUTER_HISTOGRAMS = {"ttft": "pdserve_time_to_first_token_seconds",
                      "itl": "pdserve_inter_token_latency_seconds"}

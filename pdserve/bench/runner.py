@@ -13,10 +13,10 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-from engine.sampling_params import SamplingParams
 from pdserve.bench.trace import RequestRecord
 from pdserve.bench.workloads import BenchRequest, turn_prompt
 from pdserve.client import AsyncClient, PdserveError
+from pdserve.engine.sampling_params import SamplingParams
 
 Job = Sequence[BenchRequest]
 

@@ -83,7 +83,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from engine.default_model import DEFAULT_MODEL
+    from pdserve.engine.default_model import DEFAULT_MODEL
     from pdserve.llm import LLM
     from pdserve.planner.profile import profile
 

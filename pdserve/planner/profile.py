@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.planner.perf_model import PerfModel, fit_decode
 
 logger = logging.getLogger(__name__)

@@ -19,11 +19,11 @@ import time
 import grpc
 import pytest
 
-from engine.engine_core import EngineCore
-from engine.sampling_params import SamplingParams
-from engine.worker_spec import WorkerSpec
 from pdserve.cluster import WorkerInfo, WorkerPool
-from proto import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.worker_spec import WorkerSpec
+from pdserve.proto import pdserve_pb2, worker_pb2, worker_pb2_grpc
 from tests.ray_cluster import local_cluster
 from tests.workers.pd import engine_config, run_engine
 

@@ -6,8 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from engine.sampling_params import SamplingParams
 from pdserve.client import Client
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.llm import LLM
 from tests.e2e.harness import health, running, stats, tiny_settings, wait_until
 from tests.integration.hf_reference import mixed_prompts

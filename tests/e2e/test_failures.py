@@ -13,9 +13,9 @@ import signal
 import grpc
 import pytest
 
-from engine.sampling_params import SamplingParams
 from pdserve.client import AsyncClient, Client, PdserveError
-from proto import worker_pb2, worker_pb2_grpc
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.proto import worker_pb2, worker_pb2_grpc
 from tests.e2e.harness import health, running, stats, tiny_settings, wait_until
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -13,7 +13,7 @@ from pdserve.bench import arrivals, workloads
 from pdserve.bench.runner import run_jobs
 from pdserve.client import AsyncClient
 from pdserve.planner.perf_model import PerfModel
-from router.metrics_text import sample_value
+from pdserve.router.metrics_text import sample_value
 from tests.e2e.harness import running, stats, tiny_settings, wait_until
 
 POLICY = {

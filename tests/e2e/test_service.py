@@ -15,12 +15,12 @@ import grpc
 import pytest
 import redis
 
-from engine.block_hash import hash_blocks
-from engine.sampling_params import SamplingParams
 from pdserve.client import AsyncClient, Client, PdserveError
+from pdserve.engine.block_hash import hash_blocks
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.llm import LLM
-from proto import pdserve_pb2, raw_pb2
-from router.metrics_text import sample_value
+from pdserve.proto import pdserve_pb2, raw_pb2
+from pdserve.router.metrics_text import sample_value
 from tests.e2e.harness import health, raw_generate, running, stats, tiny_settings, wait_until
 from tests.integration.hf_reference import mixed_prompts
 

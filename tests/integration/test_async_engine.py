@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from engine.async_engine import AsyncLLMEngine
 from pdserve import LLM, SamplingParams
+from pdserve.engine.async_engine import AsyncLLMEngine
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from engine.llm_engine import LLMEngine
 from pdserve import LLM, SamplingParams
+from pdserve.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import CacheConfig, load_model_config, with_num_blocks
 from pdserve import LLM, SamplingParams
+from pdserve.engine.config import CacheConfig, load_model_config, with_num_blocks
 from tests.integration.hf_reference import mixed_prompts
 
 MAX_TOKENS = 24

@@ -17,11 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.config import CacheConfig, EngineConfig, load_model_config
-from engine.engine_core import EngineCore
-from engine.models.parallel import TensorParallel
-from engine.plan_broadcast import decode_plan, encode_plan, follow
-from engine.sampling_params import SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig, load_model_config
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.models.parallel import TensorParallel
+from pdserve.engine.plan_broadcast import decode_plan, encode_plan, follow
+from pdserve.engine.sampling_params import SamplingParams
 from tests.integration.hf_reference import mixed_prompts
 from tests.workers.pd import run_engine
 
@@ -65,7 +65,7 @@ def tp_rank_main(rank, size, port, model_dir, prompts, results):
 
 
 def test_plan_codec_round_trip():
-    from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+    from pdserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
     plan = SchedulerOutput(
         (

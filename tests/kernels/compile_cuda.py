@@ -14,24 +14,21 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-from kernels.pack_blocks import _pack_blocks_kernel  # noqa: E402
-from kernels.paged_decode_attention import (  # noqa: E402
+from pdserve.kernels.pack_blocks import _pack_blocks_kernel
+from pdserve.kernels.paged_decode_attention import (
     _paged_decode_attention_kernel,
     _paged_decode_merge_kernel,
 )
-from kernels.paged_prefill_attention import _paged_prefill_attention_kernel  # noqa: E402
-from kernels.rms_norm import _rms_norm_kernel  # noqa: E402
-from kernels.rotary_embedding import _rotary_embedding_kernel  # noqa: E402
-from kernels.store_kv import _store_kv_kernel  # noqa: E402
+from pdserve.kernels.paged_prefill_attention import _paged_prefill_attention_kernel
+from pdserve.kernels.rms_norm import _rms_norm_kernel
+from pdserve.kernels.rotary_embedding import _rotary_embedding_kernel
+from pdserve.kernels.store_kv import _store_kv_kernel
 
 FLOAT_ARGS = {"qk_scale", "eps"}
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.kv_quant import SCALE_DTYPE, quantize_kv_ref
+from pdserve.kernels.kv_quant import SCALE_DTYPE, quantize_kv_ref
 
 
 @dataclass

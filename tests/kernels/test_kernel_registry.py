@@ -8,8 +8,8 @@ import inspect
 import pytest
 import torch
 
-from kernels.checks import new_output
-from kernels.registry import TORCH_BACKEND, TRITON_BACKEND, get_backend
+from pdserve.kernels.checks import new_output
+from pdserve.kernels.registry import TORCH_BACKEND, TRITON_BACKEND, get_backend
 
 
 def test_cpu_defaults_to_torch_and_names_are_checked():

@@ -11,18 +11,18 @@ import pytest
 import torch
 from paged_case import finite, make_case, quantize_case, rel_err
 
-from kernels.kv_quant import allocate_kv_cache, kv_cache_bytes_per_token
-from kernels.paged_decode_attention import (
+from pdserve.kernels.kv_quant import allocate_kv_cache, kv_cache_bytes_per_token
+from pdserve.kernels.paged_decode_attention import (
     paged_decode_attention_int8,
     paged_decode_attention_int8_ref,
     paged_decode_attention_ref,
 )
-from kernels.paged_prefill_attention import (
+from pdserve.kernels.paged_prefill_attention import (
     paged_prefill_attention_int8,
     paged_prefill_attention_int8_ref,
     paged_prefill_attention_ref,
 )
-from kernels.store_kv import store_kv_int8
+from pdserve.kernels.store_kv import store_kv_int8
 
 
 @pytest.mark.parametrize("num_kv_heads,head_dim", [(3, 64), (8, 128)])

@@ -14,8 +14,8 @@ import pytest
 import torch
 from paged_case import rel_err
 
-from kernels.rms_norm import rms_norm, rms_norm_ref
-from kernels.rotary_embedding import rotary_embedding, rotary_embedding_ref
+from pdserve.kernels.rms_norm import rms_norm, rms_norm_ref
+from pdserve.kernels.rotary_embedding import rotary_embedding, rotary_embedding_ref
 
 EPS = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
 STEPS = {torch.float32: 8, torch.float16: 2}

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.pack_blocks import pack_blocks, pack_blocks_ref, unpack_blocks, unpack_blocks_ref
+from pdserve.kernels.pack_blocks import (
+    pack_blocks,
+    pack_blocks_ref,
+    unpack_blocks,
+    unpack_blocks_ref,
+)
 
 
 def _caches(dtype, shape, seed=0):

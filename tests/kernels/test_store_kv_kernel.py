@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_quant import allocate_kv_cache, dequantize_kv_ref
-from kernels.store_kv import store_kv, store_kv_int8, store_kv_int8_ref, store_kv_ref
+from pdserve.kernels.kv_quant import allocate_kv_cache, dequantize_kv_ref
+from pdserve.kernels.store_kv import store_kv, store_kv_int8, store_kv_int8_ref, store_kv_ref
 
 
 def _inputs(num_tokens, block_size, num_kv_heads, head_dim, num_blocks=7, seed=0):

@@ -6,8 +6,8 @@ import time
 
 import torch
 
-from kvtransfer.descriptor import Endpoint, TransferDescriptor
-from kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.descriptor import Endpoint, TransferDescriptor
+from pdserve.kvtransfer.layout import KVLayout
 
 Caches = list[tuple[torch.Tensor, torch.Tensor]]
 

@@ -22,7 +22,7 @@ import torch
 def main() -> int:
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    from kvtransfer import Endpoint, GlooConnector, KVLayout, KVSender, TransferDescriptor
+    from pdserve.kvtransfer import Endpoint, GlooConnector, KVLayout, KVSender, TransferDescriptor
     from tests.kvtransfer.kvdata import full_caches
 
     cfg = json.loads(sys.stdin.readline())

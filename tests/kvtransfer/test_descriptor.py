@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kvtransfer.descriptor import DescriptorError, Endpoint, TransferDescriptor
+from pdserve.kvtransfer.descriptor import DescriptorError, Endpoint, TransferDescriptor
 from tests.kvtransfer.kvdata import TINY, descriptor, endpoints
 
 SOURCES = endpoints(29500, 2, "prefill-0.local")

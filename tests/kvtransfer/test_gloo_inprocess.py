@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvtransfer import (
+from pdserve.kvtransfer import (
     ErrorCode,
     GlooConnector,
     GlooListener,
@@ -16,7 +16,7 @@ from kvtransfer import (
     MessageHeader,
     TransferError,
 )
-from kvtransfer.header import Kind, TransferSlice
+from pdserve.kvtransfer.header import Kind, TransferSlice
 from tests.kvtransfer.kvdata import (
     TINY,
     assert_landed,

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from kvtransfer import header as H
-from kvtransfer.errors import ErrorCode
-from kvtransfer.header import (
+from pdserve.kvtransfer import header as H
+from pdserve.kvtransfer.errors import ErrorCode
+from pdserve.kvtransfer.header import (
     HEADER_SIZE,
     MAX_TRANSFERS,
     HeaderError,

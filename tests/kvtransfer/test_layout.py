@@ -7,7 +7,13 @@ import dataclasses
 import pytest
 import torch
 
-from kvtransfer.layout import KVLayout, check_kv_caches, reshard_routes, routes_from, routes_to
+from pdserve.kvtransfer.layout import (
+    KVLayout,
+    check_kv_caches,
+    reshard_routes,
+    routes_from,
+    routes_to,
+)
 from tests.kvtransfer.kvdata import zero_caches
 
 LAYOUT = KVLayout("m", "float32", 16, 2, 8, 64)

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from kvtransfer import ErrorCode, KVReceiver, KVSender, LoopbackHub, TransferError
+from pdserve.kvtransfer import ErrorCode, KVReceiver, KVSender, LoopbackHub, TransferError
 from tests.kvtransfer.kvdata import (
     TINY,
     assert_landed,

@@ -7,9 +7,9 @@ import time
 
 import torch
 
-from kvtransfer.errors import ErrorCode, TransferError
-from kvtransfer.reservation import Reservation, TransferState
-from kvtransfer.staging import BufferPool
+from pdserve.kvtransfer.errors import ErrorCode, TransferError
+from pdserve.kvtransfer.reservation import Reservation, TransferState
+from pdserve.kvtransfer.staging import BufferPool
 from tests.kvtransfer.kvdata import TINY, descriptor, endpoints
 
 

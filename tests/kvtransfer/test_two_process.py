@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtransfer import ErrorCode, GlooListener, KVLayout, KVReceiver, TransferError
+from pdserve.kvtransfer import ErrorCode, GlooListener, KVLayout, KVReceiver, TransferError
 from tests.kvtransfer.kvdata import assert_landed, descriptor, full_caches, zero_caches
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,10 +8,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from engine.block_hash import hash_block
-from engine.block_pool import Block, BlockPool
+from pdserve.engine.block_hash import hash_block
+from pdserve.engine.block_pool import Block, BlockPool
+from pdserve.prefill_worker.prefix_events import PrefixIndexPublisher
 from pdserve.redis_server import RedisServer
-from prefill_worker.prefix_events import PrefixIndexPublisher
 from tests.redis.conftest import wait_until
 
 

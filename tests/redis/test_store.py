@@ -12,8 +12,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from engine.block_hash import hash_blocks
-from router.store import RedisStore, Session
+from pdserve.engine.block_hash import hash_blocks
+from pdserve.router.store import RedisStore, Session
 
 TIMEOUT_S = 0.25  # generous for a loaded 2-core machine; the fail-open tests use the default
 
@@ -139,7 +139,7 @@ def test_fails_open_when_stopped_and_recovers_on_restart(own_redis_server, caplo
         _sync(server.url).sadd(store.prefix_key("w"), *h)
         assert await store.prefix_hits(h, ["w"]) == {"w": 2} and store.healthy
         server.stop()
-        with caplog.at_level(logging.INFO, logger="router.store"):
+        with caplog.at_level(logging.INFO, logger="pdserve.router.store"):
             for _ in range(3):  # one warning for the transition, not one per call
                 session, elapsed = await _timed(store.get_session("s"))
                 assert session is None and elapsed < 0.5
@@ -152,7 +152,7 @@ def test_fails_open_when_stopped_and_recovers_on_restart(own_redis_server, caplo
             assert not store.healthy
             server.start()  # same port, empty
             assert await store.check() is True and store.healthy
-        records = [r for r in caplog.records if r.name == "router.store"]
+        records = [r for r in caplog.records if r.name == "pdserve.router.store"]
         assert [r.levelno for r in records] == [logging.WARNING, logging.INFO]
         assert await store.get_session("s") is None  # the restarted server is empty
         await store.put_session("s", [4, 5], "d2")

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from router.admission import Admission, Overloaded
+from pdserve.router.admission import Admission, Overloaded
 
 
 async def _settle() -> None:

@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from engine.block_hash import hash_block, hash_blocks
-from engine.block_pool import BlockPool
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pdserve.engine.block_hash import hash_block, hash_blocks
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def _request(rid: str, tokens: list[int]) -> Request:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from engine.block_hash import hash_block
-from engine.block_pool import BlockPool
+from pdserve.engine.block_hash import hash_block
+from pdserve.engine.block_pool import BlockPool
 
 
 def _h(i: int) -> bytes:

@@ -19,10 +19,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from engine.sampling_params import SamplingParams
-from engine.scheduler_output import TokenLogprobs
 from pdserve.client import AsyncClient, Client, GenerateChunk, PdserveError, Timings, Usage
-from proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler_output import TokenLogprobs
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
 ERRORS = {
     "bad": (grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p must be in (0, 1], got 2.0"),

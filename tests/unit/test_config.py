@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.config import CacheConfig, load_model_config, with_num_blocks
+from pdserve.engine.config import CacheConfig, load_model_config, with_num_blocks
 
 
 def write_config(tmp_path, **values):

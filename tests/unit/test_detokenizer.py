@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
+from pdserve.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
 
 FFFD = "\ufffd"
 CHAT_PROMPT = "<|im_start|>user\nSay something.<|im_end|>\n<|im_start|>assistant\n"

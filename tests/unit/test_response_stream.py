@@ -13,13 +13,13 @@ from dataclasses import dataclass
 import pytest
 from transformers import AutoTokenizer
 
-from engine.sampling_params import SamplingParams
-from proto import pdserve_pb2, worker_pb2
-from router.metrics import RouterMetrics
-from router.router import Flight, Placement
-from router.stream import ResponseStream, WorkerFailed
-from router.validation import ValidRequest
-from router.workers import Lost, WorkerLost
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.proto import pdserve_pb2, worker_pb2
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.router import Flight, Placement
+from pdserve.router.stream import ResponseStream, WorkerFailed
+from pdserve.router.validation import ValidRequest
+from pdserve.router.workers import Lost, WorkerLost
 
 PROMPT = "<|im_start|>user\nSay something.<|im_end|>\n<|im_start|>assistant\n"
 # Byte-level BPE splits the emoji over two tokens (" \xf0\x9f\x98" and "\x80").

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.rope import inv_freq_and_scaling
+from pdserve.engine.models.rope import inv_freq_and_scaling
 
 VARIANTS = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},

@@ -12,8 +12,8 @@ def test_api_token_is_required_when_configured():
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
     from pdserve.client import AsyncClient, PdserveError
-    from proto import pdserve_pb2, pdserve_pb2_grpc
-    from router.auth import TokenAuth
+    from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+    from pdserve.router.auth import TokenAuth
 
     class Stats(pdserve_pb2_grpc.InferenceServicer):
         async def GetStats(self, request, context):

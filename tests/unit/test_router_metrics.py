@@ -8,8 +8,8 @@ import urllib.request
 
 import pytest
 
-from router.metrics import LATENCY_BUCKETS, REQUEST_STATUSES, RouterMetrics
-from router.metrics_text import histogram_buckets, histogram_quantile
+from pdserve.router.metrics import LATENCY_BUCKETS, REQUEST_STATUSES, RouterMetrics
+from pdserve.router.metrics_text import histogram_buckets, histogram_quantile
 
 
 def _sample(text: bytes, line_prefix: str) -> float:

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from router.policy import (
+from pdserve.router.policy import (
     DecodeLoad,
     PrefillLoad,
     RoutingInfo,

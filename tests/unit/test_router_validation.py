@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.input_processor import chat_prompt
-from engine.sampling_params import SamplingParams
-from proto import pdserve_pb2, raw_pb2
-from router.validation import (
+from pdserve.engine.input_processor import chat_prompt
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.proto import pdserve_pb2, raw_pb2
+from pdserve.router.validation import (
     MAX_ID_CHARS,
     InvalidArgument,
     ModelContext,

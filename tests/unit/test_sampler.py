@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
+from pdserve.engine.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 NUM_SAMPLES = 20_000

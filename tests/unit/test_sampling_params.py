@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def test_defaults_are_valid() -> None:

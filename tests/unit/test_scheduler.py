@@ -13,12 +13,12 @@ import random
 
 import numpy as np
 
-from engine.config import SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.scheduler_output import RunnerOutput, SchedulerOutput
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_output import RunnerOutput, SchedulerOutput
 
 EOS = 7
 VOCAB = 1000

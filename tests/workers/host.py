@@ -15,12 +15,12 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from decode_worker.group import start_decode_rank
-from engine.models.parallel import TensorParallel
-from engine.sampling_params import SamplingParams
-from kvtransfer.descriptor import Endpoint, TransferDescriptor
-from kvtransfer.rendezvous import GlooConnector, GlooListener
-from prefill_worker.worker import PrefillWorker
+from pdserve.decode_worker.group import start_decode_rank
+from pdserve.engine.models.parallel import TensorParallel
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvtransfer.descriptor import Endpoint, TransferDescriptor
+from pdserve.kvtransfer.rendezvous import GlooConnector, GlooListener
+from pdserve.prefill_worker.worker import PrefillWorker
 from tests.workers.pd import MODEL_NAME, Streams, engine_config
 
 

@@ -9,8 +9,8 @@ import time
 import weakref
 from collections import defaultdict
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig, load_model_config
-from engine.sampling_params import SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, load_model_config
+from pdserve.engine.sampling_params import SamplingParams
 
 MODEL_NAME = "tiny-llama"
 
@@ -76,7 +76,7 @@ def generate_pd(prefill, decode, request_id, prompt, params: SamplingParams, tim
 
 def run_engine(core, prompts, params: SamplingParams) -> list[list[int]]:
     """Every prompt through one in-process EngineCore (the reference the workers must match)."""
-    from engine.request import Request
+    from pdserve.engine.request import Request
 
     for i, prompt in enumerate(prompts):
         core.add_request(Request(f"r{i}", tuple(prompt), params))

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -7,12 +7,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from decode_worker.worker import DecodeWorker
-from engine.engine_core import EngineCore
-from engine.sampling_params import SamplingParams
-from kvtransfer.descriptor import Endpoint
-from kvtransfer.loopback import LoopbackHub
-from prefill_worker.worker import PrefillWorker
+from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvtransfer.descriptor import Endpoint
+from pdserve.kvtransfer.loopback import LoopbackHub
+from pdserve.prefill_worker.worker import PrefillWorker
 from tests.integration.hf_reference import mixed_prompts
 from tests.workers.pd import MODEL_NAME, engine_config, generate_pd, run_engine
 
@@ -58,8 +58,8 @@ def test_layout_mismatch_fails_before_any_transfer(tiny_llama_dir, mismatch):
     """The prefill refuses a descriptor of another layout; no KV byte moves; nothing leaks."""
     import dataclasses
 
-    from engine.config import CacheConfig
-    from kvtransfer.descriptor import TransferDescriptor
+    from pdserve.engine.config import CacheConfig
+    from pdserve.kvtransfer.descriptor import TransferDescriptor
 
     hub = LoopbackHub()
     decode_ep = Endpoint("127.0.0.1", 9, 0)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 from tests.integration.hf_reference import mixed_prompts
 from tests.workers.processes import params_json, start_decode_group, start_prefill
 from tests.workers.test_loopback_pd import single_engine

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from engine.default_model import ensure_default_model
+from pdserve.engine.default_model import ensure_default_model
 
 _BASE = {
     "hidden_size": 64,
