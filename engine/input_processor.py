@@ -16,6 +16,9 @@ def tokenize_prompt(prompt: Prompt, tokenizer: Any, vocab_size: int) -> list[int
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt must not be empty")
+        if tokenizer is None:
+            raise ValueError("prompt: text needs a tokenizer, and none was loaded "
+                             "(skip_tokenizer_init=True): pass token ids")
         return list(tokenizer(prompt).input_ids)
     if isinstance(prompt, (bytes, bytearray)):
         raise ValueError("prompt must be a str or a list of token ids, got bytes")
@@ -37,6 +40,9 @@ def chat_prompt(messages: Sequence[dict[str, str]], tokenizer: Any) -> list[int]
     """Token ids of `messages` under the model's chat template, ready for the reply."""
     if not messages:
         raise ValueError("messages must not be empty")
+    if tokenizer is None:
+        raise ValueError("messages: a chat needs the tokenizer's template, and none was "
+                         "loaded (skip_tokenizer_init=True): pass token ids")
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError(f"messages[{i}] must be a dict with a string 'role'")

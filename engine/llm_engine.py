@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.input_processor import Prompt, check_prompt_length, tokenize_prompt
 from pdserve.engine.outputs import RequestOutput
@@ -33,7 +33,8 @@ class PreparedRequest:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Any | None) -> None:
+        """`tokenizer` None: token-id prompts only; outputs carry ids and empty text."""
         self.core = EngineCore(config)
         self.config = self.core.config
         self.tokenizer = tokenizer
@@ -52,6 +53,9 @@ class LLMEngine:
         model = self.config.model
         ids = tokenize_prompt(prompt, self.tokenizer, model.vocab_size)
         check_prompt_length(len(ids), model.max_model_len)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer, and none was loaded "
+                             "(skip_tokenizer_init=True): use stop_token_ids")
         for token_id in params.stop_token_ids:
             if token_id >= model.vocab_size:
                 raise ValueError(f"stop_token_ids: {token_id} is outside the vocabulary")
@@ -73,10 +77,11 @@ class LLMEngine:
             rid, prepared.prompt, list(prepared.prompt_token_ids),
             logprobs=[] if prepared.params.logprobs is not None else None,
         )
-        self._detokenizers[rid] = IncrementalDetokenizer(
-            self.tokenizer, prepared.prompt_token_ids, prepared.params.stop,
-            prepared.params.skip_special_tokens,
-        )
+        if self.tokenizer is not None:
+            self._detokenizers[rid] = IncrementalDetokenizer(
+                self.tokenizer, prepared.prompt_token_ids, prepared.params.stop,
+                prepared.params.skip_special_tokens,
+            )
 
     def add_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
@@ -88,7 +93,7 @@ class LLMEngine:
         if not self.core.finish_request(request_id, RequestStatus.FINISHED_ABORTED):
             return None
         out = self._outputs.pop(request_id)
-        self._detokenizers.pop(request_id)
+        self._detokenizers.pop(request_id, None)
         out.delta_token_ids, out.delta_text = [], ""
         out.finished, out.finish_reason = True, "abort"
         return _snapshot(out)
@@ -101,7 +106,7 @@ class LLMEngine:
 
     def _process(self, core_out: EngineCoreOutput) -> RequestOutput:
         rid = core_out.request_id
-        out, detok = self._outputs[rid], self._detokenizers[rid]
+        out, detok = self._outputs[rid], self._detokenizers.get(rid, _NO_TEXT)
         update = detok.update(core_out.new_token_ids)
         delta_text = update.delta
         finish_reason, stop_reason = core_out.finish_reason, core_out.stop_reason
@@ -120,8 +125,24 @@ class LLMEngine:
         out.num_cached_tokens = core_out.num_cached_tokens
         if finish_reason is not None:
             out.finished, out.finish_reason, out.stop_reason = True, finish_reason, stop_reason
-            del self._outputs[rid], self._detokenizers[rid]
+            del self._outputs[rid]
+            self._detokenizers.pop(rid, None)
         return _snapshot(out)
+
+
+class _NoText:
+    """The detokenizer of an engine without a tokenizer: no text, no stop strings."""
+
+    @staticmethod
+    def update(token_ids: object) -> DetokenizerUpdate:
+        return DetokenizerUpdate("")
+
+    @staticmethod
+    def flush() -> str:
+        return ""
+
+
+_NO_TEXT = _NoText()
 
 
 def _snapshot(out: RequestOutput) -> RequestOutput:

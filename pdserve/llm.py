@@ -12,6 +12,7 @@ from pdserve.engine.input_processor import Prompt, chat_prompt
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +21,9 @@ class LLM:
     """A whole engine in this process: load once, then generate for batches of prompts.
 
     `model` is an HF-format directory or a known name (default: the bundled SmolLM2).
+    `tokenizer` names another directory to take the tokenizer from; with
+    `skip_tokenizer_init=True` no tokenizer is loaded: prompts are token ids, outputs carry
+    token ids and empty text, and stop strings and `chat` are refused.
     """
 
     def __init__(
@@ -38,9 +42,9 @@ class LLM:
         device: str = "cpu",
         seed: int = 0,
         kernel_backend: str | None = None,
+        tokenizer: str | None = None,
+        skip_tokenizer_init: bool = False,
     ) -> None:
-        from transformers import AutoTokenizer
-
         path = resolve_model(model)
         config = EngineConfig(
             model=load_model_config(path, dtype, max_model_len),
@@ -57,7 +61,7 @@ class LLM:
             seed=seed,
             kernel_backend=kernel_backend,
         )
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(path, tokenizer)
         self.engine = LLMEngine(config, self.tokenizer)
         self._ids = itertools.count()
 

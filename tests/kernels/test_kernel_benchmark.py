@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.registry import TRITON_BACKEND
+from pdserve.kernels.registry import TRITON_BACKEND
 
 
 def _benchmark_module():

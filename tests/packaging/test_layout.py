@@ -1,0 +1,56 @@
+"""The layout holds: pyproject lists every subpackage, no import cycle, stubs match their .proto
+files, no source file past the house style's size, nothing imports the bare folder names."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from tests.packaging.imports import ROOT, cycles, import_graph, modules, package_dirs
+
+MAX_LINES = 300
+BARE = re.compile(r"^\s*(from|import) (proto|engine|kernels|router|kvtransfer|prefill_worker|"
+                  r"decode_worker)\b", re.M)
+
+
+def test_pyproject_lists_every_subpackage() -> None:
+    dirs = package_dirs()
+    on_disk = set()
+    for package, folder in dirs.items():
+        assert (folder / "__init__.py").is_file(), f"{package}: {folder} is not a package"
+        for init in folder.glob("*/__init__.py"):
+            on_disk.add(f"{package}.{init.parent.name}")
+    missing = on_disk - set(dirs)
+    assert not missing, f"add {sorted(missing)} to [tool.setuptools] packages in pyproject.toml"
+
+
+def test_no_import_cycles() -> None:
+    graph = import_graph()
+    assert len(graph) > 50, "the import graph found too few modules to mean anything"
+    assert cycles(graph) == []
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_grpc_stubs_match_their_protos() -> None:
+    check = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--check"],
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+
+
+def test_no_source_file_over_the_size_limit() -> None:
+    sources = list(modules().values()) + list((ROOT / "benchmarks").glob("*.py")) + list(
+        (ROOT / "scripts").glob("*.py"))
+    generated = re.compile(r"_pb2(_grpc)?\.py$")
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines())
+             for p in sources if not generated.search(p.name)}
+    assert not {p: n for p, n in sizes.items() if n > MAX_LINES}
+
+
+def test_nothing_imports_the_bare_folder_names() -> None:
+    files = [p for p in ROOT.rglob("*.py") if ".venv" not in p.parts and "build" not in p.parts]
+    offenders = [str(p.relative_to(ROOT)) for p in files if BARE.search(p.read_text())]
+    assert offenders == [], "import these as pdserve.<part>"
