@@ -36,6 +36,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pdserve import defaults
 from pdserve.kvtransfer import (
     Endpoint,
     GlooConnector,
@@ -48,17 +49,17 @@ from pdserve.kvtransfer import (
 
 SMOLLM2 = KVLayout("SmolLM2-135M-Instruct", "float32", block_size=16, num_layers=30,
                    num_kv_heads=3, head_dim=64)
-SOURCE = Endpoint("127.0.0.1", 1, 0)
-WORKER_SOURCE = Endpoint("127.0.0.1", 2, 0)  # the PrefillWorker's own channel identity
+SOURCE = Endpoint(defaults.HOST, 1, 0)
+WORKER_SOURCE = Endpoint(defaults.HOST, 2, 0)  # the PrefillWorker's own channel identity
 RAW_TAG = 7
 
 
 def raw_group(port: int, rank: int) -> dist.ProcessGroupGloo:
-    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=30),
+    store = dist.TCPStore(defaults.HOST, port, None, False, timeout=timedelta(seconds=30),
                           wait_for_workers=False)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timedelta(seconds=60)
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=defaults.HOST)]
     return dist.ProcessGroupGloo(dist.PrefixStore("bench/raw", store), rank, 2, opts)
 
 
@@ -148,7 +149,7 @@ def sender_main(port: int, num_blocks: int, threads: int, overlap: bool) -> None
 class Bench:
     def __init__(self, num_blocks: int, threads: int, overlap: bool) -> None:
         self.num_blocks = num_blocks
-        self.listener = GlooListener("127.0.0.1")
+        self.listener = GlooListener(defaults.HOST)
         shape = (2 * num_blocks, SMOLLM2.block_size, SMOLLM2.num_kv_heads, SMOLLM2.head_dim)
         self.caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(SMOLLM2.num_layers)]
         self.rx = KVReceiver(SMOLLM2, self.listener, 1, self.caches)

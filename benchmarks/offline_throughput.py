@@ -27,21 +27,21 @@ resident high-water mark of the generation phase (model weights, KV cache, activ
 "cpu s" is the child's user+system CPU time over the same phase: on a shared machine it is
 steadier than wall time (output tok/s uses wall time).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/offline_throughput.py --threads 2 --json out.json
+    .venv/bin/python benchmarks/offline_throughput.py --threads 2 --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import importlib.util
 import json
 import multiprocessing
 import os
 import resource
 import sys
-import time
 from pathlib import Path
-from typing import Any
+from types import ModuleType
 
 # Run as a script, sys.path[0] is benchmarks/, whose kernels.py would shadow Hugging Face's
 # `kernels` package for transformers (and for the spawned children, which inherit sys.path).
@@ -50,9 +50,19 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 from pdserve.bench.workloads import BenchRequest, sharegpt_like  # noqa: E402
 
-PDSERVE, HF_GENERATE, HF_BATCH = "pdserve", "hf generate", "hf generate_batch"
-BLOCK_SIZE = 16
-PAD_TOKEN_ID = 2  # SmolLM2's <|im_end|>: only fills masked positions
+
+def _sibling(name: str) -> ModuleType:
+    """benchmarks/<name>.py, imported by its path (its folder stays off sys.path, see above);
+    the spawned child runs this file again, so it imports the sibling the same way."""
+    spec = importlib.util.spec_from_file_location(name, _HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+systems = _sibling("offline_systems")
+PDSERVE, HF_GENERATE, HF_BATCH = systems.PDSERVE, systems.HF_GENERATE, systems.HF_BATCH
 
 
 # ----------------------------------------------------------------------------- child side
@@ -82,138 +92,12 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def _run_pdserve(reqs: list[BenchRequest], warm: list[BenchRequest], opts: dict) -> Any:
-    from pdserve import LLM, SamplingParams
-
-    llm = LLM(
-        model=opts["model"],
-        dtype="float32",
-        block_size=BLOCK_SIZE,
-        max_model_len=opts["max_model_len"],
-        kv_cache_memory_bytes=opts["kv_cache_bytes"],
-        max_num_seqs=opts["max_num_seqs"],
-        max_num_batched_tokens=opts["max_batched_tokens"],
-        num_threads=opts["threads"],
-    )
-
-    def run(batch: list[BenchRequest]) -> tuple[list[list[int]], int, float]:
-        start = time.perf_counter()
-        params = [
-            SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in batch
-        ]
-        outs = llm.generate([r.prompt_token_ids for r in batch], params)
-        elapsed = time.perf_counter() - start
-        return [list(o.token_ids) for o in outs], sum(len(o.token_ids) for o in outs), elapsed
-
-    return run
-
-
-def _load_hf(opts: dict) -> Any:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(opts["model_path"], dtype=torch.float32)
-    model.eval()
-    model.generation_config.eos_token_id = None  # ignore_eos: never a stopping criterion
-    model.generation_config.pad_token_id = PAD_TOKEN_ID
-    return model
-
-
-def _hf_batches(reqs: list[BenchRequest], size: int, sort: bool) -> list[list[int]]:
-    order = list(range(len(reqs)))
-    if sort:
-        order.sort(key=lambda i: (reqs[i].output_len, len(reqs[i].prompt_token_ids)), reverse=True)
-    return [order[i : i + size] for i in range(0, len(order), size)]
-
-
-def _run_hf_generate(reqs: list[BenchRequest], warm: list[BenchRequest], opts: dict) -> Any:
-    import torch
-    from transformers import GenerationConfig
-
-    model = _load_hf(opts)
-
-    @torch.inference_mode()
-    def run(batch: list[BenchRequest]) -> tuple[list[list[int]], int, float]:
-        start = time.perf_counter()
-        tokens: list[list[int]] = [[] for _ in batch]
-        computed = 0
-        for idx in _hf_batches(batch, opts["hf_batch_size"], opts["hf_sort"]):
-            prompts = [batch[i].prompt_token_ids for i in idx]
-            width = max(map(len, prompts))
-            ids = torch.full((len(idx), width), PAD_TOKEN_ID, dtype=torch.long)
-            mask = torch.zeros((len(idx), width), dtype=torch.long)
-            for row, p in enumerate(prompts):  # left padding
-                ids[row, width - len(p) :] = torch.tensor(p)
-                mask[row, width - len(p) :] = 1
-            max_new = max(batch[i].output_len for i in idx)
-            cfg = GenerationConfig(
-                do_sample=False,
-                max_new_tokens=max_new,
-                eos_token_id=None,
-                pad_token_id=PAD_TOKEN_ID,
-            )
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
-            new = out[:, width:].tolist()  # [batch, max_new]
-            computed += sum(len(r) for r in new)
-            for row, i in enumerate(idx):
-                tokens[i] = new[row][: batch[i].output_len]
-        return tokens, computed, time.perf_counter() - start
-
-    return run
-
-
-def _run_hf_batch(reqs: list[BenchRequest], warm: list[BenchRequest], opts: dict) -> Any:
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    model = _load_hf(opts)
-    gen_cfg = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=PAD_TOKEN_ID)
-    page_size = 256  # ContinuousBatchingConfig's default
-    cb_cfg = ContinuousBatchingConfig(
-        page_size=page_size,
-        num_blocks=max(1, opts["kv_cache_bytes"] // (page_size * opts["kv_bytes_per_token"])),
-        max_batch_tokens=opts["max_batched_tokens"],
-    )
-
-    # no inference_mode here: the manager's thread updates tensors made in this one
-    def run(batch: list[BenchRequest]) -> tuple[list[list[int]], int, float]:
-        with model.continuous_batching_context_manager(
-            generation_config=gen_cfg, continuous_batching_config=cb_cfg, block=True, timeout=30
-        ) as manager:
-            # timed from the first request to the last result: cache allocation, thread
-            # start and the stop/cleanup in __exit__ are left out, as pdserve's are
-            start = time.perf_counter()
-            add = manager.add_request
-            ids = [
-                add(r.prompt_token_ids, max_new_tokens=r.output_len, eos_token_id=-1) for r in batch
-            ]
-            if None in ids:
-                raise RuntimeError("generate_batch's manager refused a request")
-            done: dict[str, list[int]] = {}
-            while len(done) < len(ids):
-                out = manager.get_result(timeout=1)
-                if out is not None and out.error is not None:
-                    raise RuntimeError(f"generate_batch failed a request: {out.error}")
-                if out is not None and out.is_finished():
-                    done[out.request_id] = list(out.generated_tokens)
-                elif out is None and not manager.is_running():
-                    raise RuntimeError("generate_batch's generation thread died")
-            elapsed = time.perf_counter() - start
-        tokens = [done[i] for i in ids]
-        return tokens, sum(map(len, tokens)), elapsed
-
-    return run
-
-
-RUNNERS = {PDSERVE: _run_pdserve, HF_GENERATE: _run_hf_generate, HF_BATCH: _run_hf_batch}
-
-
 def run_phase(system: str, reqs: list[BenchRequest], warm: list[BenchRequest], opts: dict) -> dict:
     """Child-process entry: load, warm up, time one pass over `reqs`, measure peak RSS."""
     import torch
 
     torch.set_num_threads(opts["threads"])
-    run = RUNNERS[system](reqs, warm, opts)
+    run = systems.RUNNERS[system](reqs, warm, opts)
     run(warm)
     rss_load = _rss_kib("VmRSS")
     phase_peak = _reset_peak_rss()
@@ -293,7 +177,7 @@ def _options(args: argparse.Namespace, reqs: list[BenchRequest]) -> dict:
         "threads": args.threads,
         "hf_batch_size": args.hf_batch_size,
         "hf_sort": args.hf_sort,
-        "max_model_len": -(-longest // BLOCK_SIZE) * BLOCK_SIZE,
+        "max_model_len": -(-longest // systems.BLOCK_SIZE) * systems.BLOCK_SIZE,
         "kv_cache_bytes": int(args.kv_cache_gib * (1 << 30)),
         "kv_bytes_per_token": 2
         * hf["num_hidden_layers"]
@@ -329,6 +213,30 @@ def main(argv: list[str] | None = None) -> dict:
     reqs = sharegpt_like(args.num_prompts, vocab, args.seed, args.scale)
     warm = sharegpt_like(2, vocab, args.seed + 10_000, 0.1)
     opts = _options(args, reqs)
+    _print_workload(args, reqs)
+    names = [PDSERVE] if args.skip_hf else [PDSERVE, HF_GENERATE, HF_BATCH]
+    results = []
+    for system in names:
+        print(f"running {system} ...", flush=True)
+        results.append(_spawn(system, reqs, warm, opts))
+    print()
+    _print_table(results)
+    _print_notes(args, results)
+    agreement = _print_agreement(results)
+    report = {
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "workload": {"input_lens": sorted(len(r.prompt_token_ids) for r in reqs),
+                     "output_lens": sorted(r.output_len for r in reqs)},
+        "results": [{k: v for k, v in r.items() if k != "token_ids"} for r in results],
+        "agreement": agreement,
+    }
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    return report
+
+
+def _print_workload(args: argparse.Namespace, reqs: list[BenchRequest]) -> None:
     in_lens = sorted(len(r.prompt_token_ids) for r in reqs)
     out_lens = sorted(r.output_len for r in reqs)
     print(
@@ -337,13 +245,9 @@ def main(argv: list[str] | None = None) -> dict:
         f"{sum(out_lens)} (median {out_lens[len(reqs) // 2]}, max {out_lens[-1]}); "
         f"threads {args.threads} (torch.set_num_threads in each child); cpus {os.cpu_count()}"
     )
-    systems = [PDSERVE] if args.skip_hf else [PDSERVE, HF_GENERATE, HF_BATCH]
-    results = []
-    for system in systems:
-        print(f"running {system} ...", flush=True)
-        results.append(_spawn(system, reqs, warm, opts))
-    print()
-    _print_table(results)
+
+
+def _print_notes(args: argparse.Namespace, results: list[dict]) -> None:
     print(
         f"\nout tok = tokens each request asked for; computed = tokens the system generated "
         f"(generate: batch of {args.hf_batch_size} runs to its longest member"
@@ -352,6 +256,10 @@ def main(argv: list[str] | None = None) -> dict:
         f"cpu s = its user+sys CPU time then; "
         f"threads used: {', '.join(str(r['threads']) for r in results)}."
     )
+
+
+def _print_agreement(results: list[dict]) -> dict:
+    """Greedy tokens of every other system against pdserve's, printed; by system."""
     agreement = {}
     for other in results[1:]:
         agreement[other["system"]] = _agreement(results[0]["token_ids"], other["token_ids"])
@@ -360,16 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"greedy agreement pdserve vs {other['system']}: {a['exact']}/{a['of']} requests "
             f"identical, mean common prefix {a['mean_common_prefix']:.1%} of the output"
         )
-    report = {
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "workload": {"input_lens": in_lens, "output_lens": out_lens},
-        "results": [{k: v for k, v in r.items() if k != "token_ids"} for r in results],
-        "agreement": agreement,
-    }
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json}")
-    return report
+    return agreement
 
 
 if __name__ == "__main__":

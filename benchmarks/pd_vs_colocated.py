@@ -24,8 +24,8 @@ from pathlib import Path
 from pdserve.bench import arrivals, metrics, report, workloads
 from pdserve.bench.runner import run_jobs
 from pdserve.client import AsyncClient
-from pdserve.service import Service
-from pdserve.settings import ServeSettings
+from pdserve.launch.service import Service
+from pdserve.launch.settings import ServeSettings
 
 WORKLOADS = {  # name: (input_len, output_len, SLO in ms); sized for SmolLM2 on 1 CPU thread
     "prefill-heavy": (512, 8, "ttft=4000,tpot=250"),

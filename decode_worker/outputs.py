@@ -23,5 +23,5 @@ class DecodeOutput:
 
     @classmethod
     def from_core(cls, out: EngineCoreOutput) -> DecodeOutput:
-        return cls(out.request_id, out.new_token_ids, out.finish_reason, None,
+        return cls(out.request_id, out.new_token_ids, out.finish_reason, out.error,
                    out.new_logprobs, out.stop_reason, max(out.num_cached_tokens, 0))

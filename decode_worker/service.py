@@ -75,11 +75,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def GetLoad(self, request, context):
         s = self._checked(context, self.worker.stats)
         return worker_pb2.WorkerLoad(
-            worker_id=self.worker_id, num_blocks=s["num_blocks"],
-            num_free_blocks=s["num_free_blocks"], num_used_blocks=s["num_used_blocks"],
-            num_running=s["num_running"], num_waiting=s["num_waiting"] + s["num_reserved"],
-            num_cached_blocks=s["num_cached_blocks"], max_num_seqs=s["max_num_seqs"],
-            block_size=s["block_size"], tp_size=s["tp_size"],
+            worker_id=self.worker_id, num_blocks=s.num_blocks,
+            num_free_blocks=s.num_free_blocks, num_used_blocks=s.num_used_blocks,
+            num_running=s.num_running, num_waiting=s.num_waiting + s.num_reserved,
+            num_cached_blocks=s.num_cached_blocks, max_num_seqs=s.max_num_seqs,
+            block_size=s.block_size, tp_size=s.tp_size,
         )
 
     @staticmethod

@@ -1,50 +1,53 @@
-"""AsyncLLMEngine: the engine loop in the background, one async stream per request.
+"""AsyncLLMEngine: the engine on its own loop thread, one asyncio stream per request.
 
-Commands (add, abort) queue up and apply between steps, so the engine is only touched by
-its loop; steps run in a single worker thread (torch releases the GIL) and the event loop
-stays responsive. Leaving a stream early (break, cancel, exception) aborts the request.
+Requests are validated on the caller's event loop (ValueError before anything is queued),
+then added and aborted by command on the engine's loop thread (engine.loop), which is the
+only thread that touches the engine; it steps while requests are unfinished (torch releases
+the GIL, so the event loop stays responsive) and hands each output to its request's asyncio
+queue through `call_soon_threadsafe`. Leaving a stream early (break, cancel, exception)
+aborts the request. A loop that dies ends every stream with its exception.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.engine.input_processor import Prompt
 from pdserve.engine.llm_engine import LLMEngine, PreparedRequest
+from pdserve.engine.loop import EngineLoop, LoopClosedError
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+Item = RequestOutput | BaseException
+
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._adds: list[PreparedRequest] = []
-        self._aborts: list[str] = []
-        self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
-        self._loop_task: asyncio.Task | None = None
-        self._error: BaseException | None = None
+        self._streams: dict[str, asyncio.Queue[Item]] = {}  # touched on the event loop only
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._loop = EngineLoop("engine-loop", self._step, self._fail_all, idle_wait_s=None)
 
     def add_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Validate now (ValueError on bad input), queue, and return the output stream."""
-        if self._error is not None:
-            raise RuntimeError("engine loop has died") from self._error
+        if self._loop.error is not None:
+            raise RuntimeError("engine loop has died") from self._loop.error
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         prepared = self.engine.prepare(request_id, prompt, params)
-        self._streams[request_id] = asyncio.Queue()
-        self._adds.append(prepared)
-        self._ensure_loop()
-        return self._stream(request_id)
+        self._event_loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Item] = asyncio.Queue()
+        self._loop.submit(lambda: self._add(prepared))
+        self._streams[request_id] = queue
+        return self._stream(request_id, queue)
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str = ""
@@ -56,17 +59,15 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         """Abort at the next step boundary; its stream ends with finish_reason 'abort'."""
         if request_id in self._streams:
-            self._aborts.append(request_id)
-            self._wake.set()
+            with contextlib.suppress(LoopClosedError):  # stopped or dead: nothing runs now
+                self._loop.submit(lambda: self._abort(request_id))
 
     async def shutdown(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
-        self._executor.shutdown(wait=True)
+        """Stop the loop thread (after the step it is in); the engine is the caller's again."""
+        await asyncio.to_thread(self._loop.stop)
 
-    async def _stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
-        queue = self._streams[request_id]
+    async def _stream(self, request_id: str, queue: asyncio.Queue[Item]
+                      ) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
@@ -79,50 +80,51 @@ class AsyncLLMEngine:
             if not finished:
                 self.abort(request_id)
 
-    def _ensure_loop(self) -> None:
-        self._wake.set()
-        if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+    # ---- engine loop thread ----
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
+    def _step(self) -> bool:
+        if not self.engine.has_unfinished_requests():
+            return False
+        for out in self.engine.step():
+            self._post(out.request_id, out)
+        return True
+
+    def _add(self, prepared: PreparedRequest) -> None:
         try:
-            while True:
-                self._apply_commands()
-                if not self.engine.has_unfinished_requests():
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                outputs = await loop.run_in_executor(self._executor, self.engine.step)
-                for out in outputs:
-                    self._deliver(out)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # a dead loop must not leave streams hanging
-            logger.exception("engine loop failed")
-            self._error = exc
-            for queue in self._streams.values():
-                queue.put_nowait(exc)
-            self._streams.clear()
+            self.engine.add_prepared(prepared)
+        except Exception as exc:  # its stream ends with the reason, the others go on
+            self._post(prepared.request_id, exc)
 
-    def _apply_commands(self) -> None:
-        adds, self._adds = self._adds, []
-        for prepared in adds:
-            if prepared.request_id in self._streams:
-                self.engine.add_prepared(prepared)
-        aborts, self._aborts = self._aborts, []
-        for request_id in aborts:
-            out = self.engine.abort(request_id)
-            if out is not None:
-                self._deliver(out)
-            else:
-                self._streams.pop(request_id, None)
+    def _abort(self, request_id: str) -> None:
+        out = self.engine.abort(request_id)
+        if out is not None:  # None: it finished already, its last output is on its way
+            self._post(request_id, out)
 
-    def _deliver(self, out: RequestOutput) -> None:
-        queue = self._streams.get(out.request_id)
+    def _post(self, request_id: str, item: Item) -> None:
+        self._call_soon(self._deliver, request_id, item)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self._call_soon(self._end_streams, exc)
+
+    def _call_soon(self, fn, *args) -> None:
+        if self._event_loop is None:  # no stream was ever opened
+            return
+        try:
+            self._event_loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody reads the streams any more
+            logger.debug("event loop closed: %s dropped", fn.__name__)
+
+    # ---- event loop ----
+
+    def _end_streams(self, exc: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for queue in streams.values():
+            queue.put_nowait(exc)
+
+    def _deliver(self, request_id: str, item: Item) -> None:
+        queue = self._streams.get(request_id)
         if queue is None:
             return
-        queue.put_nowait(out)
-        if out.finished:
-            del self._streams[out.request_id]
-
+        queue.put_nowait(item)
+        if isinstance(item, BaseException) or item.finished:
+            del self._streams[request_id]

@@ -82,15 +82,7 @@ def load_model_config(
     num_heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
     max_positions = hf.max_position_embeddings
-    window = _sliding_window(hf)
-    limit = min(max_positions, window) if window else max_positions
-    if max_model_len is None:
-        max_model_len = limit
-    elif window and max_model_len > window:
-        raise ValueError(
-            f"sliding_window: the model attends to a {window}-token window, which this engine "
-            f"does not implement; pass max_model_len <= {window} (got {max_model_len})"
-        )
+    max_model_len = _max_model_len(hf, max_model_len)
     eos = hf.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
     return ModelConfig(
@@ -112,6 +104,21 @@ def load_model_config(
         attention_bias=arch == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
         eos_token_ids=eos_ids,
     )
+
+
+def _max_model_len(hf: Any, requested: int | None) -> int:
+    """The context window: as asked, else the model's; a sliding window caps it (the engine
+    attends to the whole context, so it refuses what only a window could serve)."""
+    max_positions = hf.max_position_embeddings
+    window = _sliding_window(hf)
+    if requested is None:
+        return min(max_positions, window) if window else max_positions
+    if window and requested > window:
+        raise ValueError(
+            f"sliding_window: the model attends to a {window}-token window, which this engine "
+            f"does not implement; pass max_model_len <= {window} (got {requested})"
+        )
+    return requested
 
 
 def _sliding_window(hf: Any) -> int | None:

@@ -7,31 +7,47 @@ from dataclasses import replace
 
 from pdserve.engine.config import EngineConfig, with_num_blocks
 from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.parallel import TensorParallel
 from pdserve.engine.plan_broadcast import publish, publish_plan
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.scheduler_output import EngineCoreOutput
+from pdserve.engine.scheduler_output import EngineCoreOutput, RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    """On a tensor-parallel group this runs on rank 0; the others run `follow_plans`."""
+    """On a tensor-parallel group this runs on rank 0; the others run `follow_plans`.
 
-    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+    `connector` (engine.kv_connector) moves KV to or from other workers: the scheduler asks
+    it about reserved requests, the runner has it push each layer as it is computed.
+    """
+
+    def __init__(
+        self, config: EngineConfig, tp: TensorParallel | None = None,
+        connector: KVConnector | None = None,
+    ) -> None:
         self.tp = tp or TensorParallel()
         self.config = replace(config, cache=with_num_blocks(config.cache, config.model))
         cache = self.config.cache
         self.kv_cache = KVCacheManager(
             cache.num_blocks, cache.block_size, cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(self.config.scheduler, self.kv_cache, config.model.max_model_len)
-        self.runner = ModelRunner(self.config, self.tp)
+        self.connector = connector
+        self.scheduler = Scheduler(
+            self.config.scheduler, self.kv_cache, config.model.max_model_len, connector
+        )
+        self.runner = ModelRunner(self.config, self.tp, connector)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
+
+    def reserve_remote(self, request: Request) -> object | None:
+        """Hold blocks for a prompt whose KV the connector brings in; its descriptor, or None
+        (nothing held) when the engine cannot take it now."""
+        return self.scheduler.reserve_remote(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> bool:
         """Abort or stop a request now, freeing its blocks; False if it is not in flight."""
@@ -42,12 +58,22 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         plan = self.scheduler.schedule()
-        if self.tp.size > 1:
-            publish_plan(self.tp, plan)
-        result = self.runner.execute(plan)
+        result = self._execute(plan)
         return self.scheduler.update(plan, result)
 
+    def abort_step(self, reason: str) -> list[EngineCoreOutput]:
+        """After `step` raised: end the requests of the step that never completed."""
+        return self.scheduler.abort_step(reason)
+
     def shutdown(self) -> None:
-        """Release the follower ranks of a tensor-parallel group."""
+        """Release the follower ranks of a tensor-parallel group, then the connector."""
         if self.tp.size > 1:
             publish(self.tp, "stop")
+        if self.connector is not None:
+            self.connector.close()
+
+    def _execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        # An empty plan (only reserved requests, waiting for KV) is not worth a broadcast.
+        if self.tp.size > 1 and (plan.requests or plan.finished_request_ids):
+            publish_plan(self.tp, plan)
+        return self.runner.execute(plan)

@@ -1,19 +1,23 @@
 """ModelRunner: turns a SchedulerOutput into tensors, runs the network, samples.
 
 It owns the model, the KV cache tensors and the per-request sampling generators; it keeps
-no other state between steps (the plan carries tokens, positions and block tables).
+no other state between steps (the plan carries tokens, positions and block tables). With a
+KV connector it brackets each forward pass with the connector's worker side: the layers are
+saved as they are computed, and the step returns only once every save is done.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from pdserve.engine.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.loader import load_weights
 from pdserve.engine.models import MODEL_CLASSES
 from pdserve.engine.models.parallel import TensorParallel
@@ -31,7 +35,10 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, tp: TensorParallel | None = None,
+        connector: KVConnector | None = None,
+    ) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -48,6 +55,9 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches()
         self.sampler = Sampler(seed=config.seed)
         self._generators: dict[str, torch.Generator] = {}
+        self.connector = connector
+        if connector is not None:
+            connector.register_kv_caches(self.kv_caches)
         logger.info(
             "model %s (%s) on %s, kernels=%s, threads=%d",
             cfg.architecture, cfg.dtype, self.device, self.ops.name, torch.get_num_threads(),
@@ -67,14 +77,26 @@ class ModelRunner:
         ]
 
     @torch.inference_mode()
-    def execute(
-        self, plan: SchedulerOutput, layer_hook: Callable[[int], None] | None = None
-    ) -> RunnerOutput:
-        """Run one step. `layer_hook(i)` is called as soon as layer i's K/V are stored."""
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """Run one step; with a connector, each layer is saved as soon as its K/V are stored."""
         for request_id in plan.finished_request_ids:
             self._generators.pop(request_id, None)
         if not plan.requests:
             return RunnerOutput({}, {})
+        if self.connector is None:
+            return self._forward(plan, None)
+        self.connector.start_save(plan)
+        try:
+            result = self._forward(plan, self.connector.save_kv_layer)
+        except BaseException:
+            self.connector.abort_save()
+            raise
+        return replace(result, kv_saves=self.connector.wait_for_save())
+
+    def _forward(
+        self, plan: SchedulerOutput, layer_hook: Callable[[int], None] | None
+    ) -> RunnerOutput:
+        """`layer_hook(i)` is called as soon as layer i's K/V are stored."""
         input_ids, positions, meta, sample_rows = self._prepare(plan)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, layer_hook)  # [T, H]
         sampling = [e for e in plan.requests if e.sampling_params is not None]

@@ -17,6 +17,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # its KV transfer failed or expired
 
     @property
     def finished(self) -> bool:
@@ -31,6 +32,7 @@ _FINISHED = {
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
 }
 
 
@@ -47,6 +49,9 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit at first schedule; -1 until scheduled
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    # What the KV connector needs to move this request's KV, opaque to the engine: where a
+    # reserved prompt's KV comes from (decode), or where a prompt's KV goes (prefill).
+    kv_transfer: object | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -5,6 +5,11 @@ a chunk), then admits waiting requests while the token budget, `max_num_seqs` an
 allow. When the pool runs dry it preempts the newest running request by recompute: its
 blocks are freed and it waits at the front of the queue, keeping its generated tokens.
 The scheduler owns the queues; the KV manager owns the blocks. No torch.
+
+With a KV connector (engine.kv_connector) a request's prompt KV may come from elsewhere:
+`reserve_remote` holds its blocks and leaves it with the connector, in no queue, until a
+`poll` at the top of `schedule` says it is ready (it then runs from its first token) or
+that its transfer failed (it ends with an error). Outputs made there leave with the step's.
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ from dataclasses import dataclass
 
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv_connector import KVArrival, KVConnector
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler_output import (
     EngineCoreOutput,
+    KVSaveResult,
     RunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
@@ -37,17 +44,20 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int
+        self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
+        connector: KVConnector | None = None,
     ) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
+        self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.remote: dict[str, Request] = {}  # blocks reserved, prompt KV arriving
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # waiting, running, and reserved for remote KV
         self.stats = SchedulerStats()
         self._finished_ids: list[str] = []
+        self._outputs: list[EngineCoreOutput] = []  # made in schedule(), handed out by update()
+        self._inflight: SchedulerOutput | None = None  # scheduled, not yet updated
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -58,6 +68,15 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_runnable_requests(self) -> bool:
+        """Whether a step would compute anything (reserved requests only wait for KV)."""
+        return bool(self.running or self.waiting)
+
+    @property
+    def num_remote(self) -> int:
+        """Requests holding blocks while their prompt KV arrives from elsewhere."""
+        return len(self.requests) - len(self.running) - len(self.waiting)
+
     def finish_request(self, request_id: str, status: RequestStatus) -> bool:
         """End a request from outside (abort, stop string); False if it is not in flight."""
         request = self.requests.get(request_id)
@@ -65,43 +84,50 @@ class Scheduler:
             return False
         if request in self.running:
             self.running.remove(request)
-        elif request_id in self.remote:
-            del self.remote[request_id]
-        else:
+        elif request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
             self.waiting.remove(request)
         self._finish(request, status)
         return True
 
-    def reserve_remote(self, request: Request) -> list[int] | None:
-        """Decode side: hold blocks for a prompt whose KV another worker computes.
+    def reserve_remote(self, request: Request) -> object | None:
+        """Decode side: hold blocks for a prompt whose KV another worker computes; returns
+        the connector's descriptor of the transfer.
 
         Admission is memory reservation: None (nothing held) when the pool or
         `max_num_seqs` cannot take the request now.
         """
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
-        if len(self.running) + len(self.remote) >= self.config.max_num_seqs:
+        if self.connector is None:
+            raise ValueError("this engine has no KV connector: it cannot take remote KV")
+        if len(self.running) + self.num_remote >= self.config.max_num_seqs:
             return None
         if not self.kv_cache.allocate(request, request.num_prompt_tokens):
             return None
+        block_ids = self.kv_cache.block_ids(request.request_id)
+        try:
+            descriptor = self.connector.reserve(request, block_ids)
+        except BaseException:
+            self.kv_cache.forget(request)
+            raise
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
-        self.remote[request.request_id] = request
-        return self.kv_cache.block_ids(request.request_id)
+        return descriptor
 
-    def admit_remote(
-        self, request_id: str, first_token: int, logprobs: TokenLogprobs | None = None
-    ) -> EngineCoreOutput:
-        """The prompt's KV has landed: run the request from its first token on."""
-        request = self.remote.pop(request_id)
-        request.num_computed_tokens = request.num_prompt_tokens
-        request.num_cached_tokens = max(request.num_cached_tokens, 0)
-        request.status = RequestStatus.RUNNING
-        self.kv_cache.cache_computed_blocks(request)
-        self.running.append(request)
-        return self._append_token(request, first_token, logprobs)
+    def abort_step(self, reason: str) -> list[EngineCoreOutput]:
+        """The last schedule() never reached update() (its forward raised): end each of its
+        requests with an error. Returns their outputs, and any made by that schedule()."""
+        plan, self._inflight = self._inflight, None
+        outputs, self._outputs = self._outputs, []
+        for entry in plan.requests if plan is not None else ():
+            request = self.requests.get(entry.request_id)
+            if request is not None:
+                self.running.remove(request)
+                outputs.append(self._end(request, RequestStatus.FINISHED_ERROR, reason))
+        return outputs
 
     def schedule(self) -> SchedulerOutput:
+        self._apply_connector_events()
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted = False
@@ -137,12 +163,14 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
-        return self._plan(scheduled)
+        self._inflight = self._plan(scheduled)
+        return self._inflight
 
     def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
         """Advance every scheduled request by what ran; append sampled tokens; finish."""
-        outputs = []
-        self.stats.num_steps += 1
+        self._inflight = None
+        outputs, self._outputs = self._outputs, []
+        self.stats.num_steps += bool(plan.requests)
         for entry in plan.requests:
             request = self.requests.get(entry.request_id)
             if request is None:  # finished from outside while the step ran
@@ -150,14 +178,43 @@ class Scheduler:
             request.num_computed_tokens += entry.num_tokens
             self.stats.num_computed_tokens += entry.num_tokens
             self.kv_cache.cache_computed_blocks(request)
+            save = result.kv_saves.get(entry.request_id)
+            if save is not None and save.error is not None:  # its KV never reached decode
+                self.running.remove(request)
+                outputs.append(self._end(request, RequestStatus.FINISHED_ERROR, save.error))
+                continue
             token_id = result.sampled_token_ids.get(entry.request_id)
             if token_id is not None:
                 logprobs = result.logprobs.get(entry.request_id)
-                outputs.append(self._append_token(request, token_id, logprobs))
+                outputs.append(self._append_token(request, token_id, logprobs, save))
         return outputs
 
+    def _apply_connector_events(self) -> None:
+        """Admit reserved requests whose KV has landed; end those whose transfer failed."""
+        if self.connector is None:
+            return
+        events = self.connector.poll()
+        for request_id, why in events.failed:
+            if (request := self.requests.get(request_id)) is not None:
+                self._outputs.append(self._end(request, RequestStatus.FINISHED_ERROR, why))
+        for arrival in events.ready:
+            if arrival.request_id in self.requests:
+                self._outputs.append(self._admit_remote(arrival))
+
+    def _admit_remote(self, arrival: KVArrival) -> EngineCoreOutput:
+        """The prompt's KV has landed: run the request from its first token on."""
+        request = self.requests[arrival.request_id]
+        assert request.status is RequestStatus.WAITING_FOR_REMOTE_KV, request.status
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_cached_tokens = max(request.num_cached_tokens, 0)
+        request.status = RequestStatus.RUNNING
+        self.kv_cache.cache_computed_blocks(request)
+        self.running.append(request)
+        return self._append_token(request, arrival.first_token, arrival.logprobs)
+
     def _append_token(
-        self, request: Request, token_id: int, logprobs: TokenLogprobs | None
+        self, request: Request, token_id: int, logprobs: TokenLogprobs | None,
+        kv_save: KVSaveResult | None = None,
     ) -> EngineCoreOutput:
         """Append a sampled token to a running request; finish it if that ends it."""
         request.output_token_ids.append(token_id)
@@ -169,17 +226,26 @@ class Scheduler:
             finish_reason=status.finish_reason if status else None,
             stop_reason=request.stop_reason if status else None,
             num_cached_tokens=request.num_cached_tokens,
+            kv_save=kv_save,
         )
         if status is not None:
             self.running.remove(request)
             self._finish(request, status)
         return out
 
+    def _end(self, request: Request, status: RequestStatus, error: str) -> EngineCoreOutput:
+        """Finish a request that is in no queue any more; its last output says why."""
+        logger.info("request %s ended: %s (%s)", request.request_id, status.value, error)
+        self._finish(request, status)
+        return EngineCoreOutput(request.request_id, (), finish_reason=status.finish_reason,
+                                num_cached_tokens=request.num_cached_tokens, error=error)
+
     def _plan(self, scheduled: list[tuple[Request, int]]) -> SchedulerOutput:
         entries = []
         for request, num_new in scheduled:
             start = request.num_computed_tokens
             samples = start + num_new == request.num_tokens
+            completes_prompt = start < request.num_prompt_tokens <= start + num_new
             entries.append(
                 ScheduledRequest(
                     request_id=request.request_id,
@@ -188,6 +254,7 @@ class Scheduler:
                     block_ids=tuple(self.kv_cache.block_ids(request.request_id)),
                     sampling_params=request.sampling_params if samples else None,
                     num_output_tokens=len(request.output_token_ids),
+                    kv_transfer=request.kv_transfer if completes_prompt else None,
                 )
             )
         entries.sort(key=lambda e: e.num_tokens != 1)  # decode-shaped first, order kept
@@ -205,6 +272,8 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        if self.connector is not None:  # before the blocks are freed: nothing writes them after
+            self.connector.request_finished(request)
         self.kv_cache.forget(request)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)

@@ -6,7 +6,7 @@ message can be broadcast from the scheduling rank to every tensor-parallel rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -19,6 +19,10 @@ class ScheduledRequest:
     block_ids: tuple[int, ...]  # the request's whole block table
     sampling_params: SamplingParams | None  # None: a prefill chunk that samples nothing
     num_output_tokens: int = 0  # tokens the request has generated so far (here or elsewhere)
+    # The request's KV-connector parameters, on the entry that computes its prompt's last
+    # token (its prompt KV is complete after this step): a prefill worker pushes it there.
+    # Not part of the TP broadcast: followers never push.
+    kv_transfer: object | None = field(default=None, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -49,9 +53,19 @@ class TokenLogprobs:
 
 
 @dataclass(frozen=True)
+class KVSaveResult:
+    """How one request's KV left this worker, in the step that completed its prompt."""
+
+    num_bytes: int
+    seconds: float  # first layer pushed -> every byte acknowledged
+    error: str | None = None  # the push failed: the request fails with this
+
+
+@dataclass(frozen=True)
 class RunnerOutput:
     sampled_token_ids: dict[str, int]  # only requests whose plan entry asked for a sample
     logprobs: dict[str, TokenLogprobs]
+    kv_saves: dict[str, KVSaveResult] = field(default_factory=dict)  # by the KV connector
 
 
 @dataclass(frozen=True)
@@ -64,3 +78,5 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # why, when finish_reason is "error" (a KV transfer failed)
+    kv_save: KVSaveResult | None = None  # its prompt KV was pushed this step

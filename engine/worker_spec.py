@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, load_model_config
+from pdserve.redis_keys import DEFAULT_NAMESPACE
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class WorkerSpec:
     host: str = "127.0.0.1"  # where its gRPC service and KV endpoints bind; "auto": node IP
     redis_url: str | None = None  # prefill workers publish their prefix-cache events there
     redis_password: str | None = None
-    redis_namespace: str = "pdserve"
+    redis_namespace: str = DEFAULT_NAMESPACE
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(

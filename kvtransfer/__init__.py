@@ -8,6 +8,8 @@
     rendezvous.py   GlooConnector / GlooListener: channels from a TCPStore, no global world
     sender.py       KVSender: plan a batch per destination rank, push layer by layer
     receiver.py     KVReceiver: expect / poll / wait / cancel
+    push_connector.py     KVPushConnector: the prefill side of engine.kv_connector (KVSender)
+    receive_connector.py  KVReceiveConnector: the decode side (KVReceiver), TP follower handlers
     inbox.py        per channel: the header reader and the payload lander threads
     landing.py      claims, recv targets (straight into the cache when possible), unpacking
     reservation.py  one expected transfer: which (layer, head, block) cells have landed
@@ -26,13 +28,16 @@ from pdserve.kvtransfer.errors import ErrorCode, TransferError
 from pdserve.kvtransfer.header import HeaderError, LayoutMismatchError, MessageHeader
 from pdserve.kvtransfer.layout import KVLayout, ShardRoute, reshard_routes, routes_from, routes_to
 from pdserve.kvtransfer.loopback import LoopbackHub
+from pdserve.kvtransfer.push_connector import KVPushConnector
+from pdserve.kvtransfer.receive_connector import KVReceiveConnector, RemotePrefill
 from pdserve.kvtransfer.receiver import KVReceiver, ReceiverEvents
 from pdserve.kvtransfer.rendezvous import GlooConnector, GlooListener
 from pdserve.kvtransfer.sender import KVSender, PushHandle, PushPlan
 
 __all__ = [
     "DescriptorError", "DestinationShard", "Endpoint", "ErrorCode", "GlooConnector",
-    "GlooListener", "HeaderError", "KVLayout", "KVReceiver", "KVSender", "LayoutMismatchError",
-    "LoopbackHub", "MessageHeader", "PushHandle", "PushPlan", "ReceiverEvents", "ShardRoute",
+    "GlooListener", "HeaderError", "KVLayout", "KVPushConnector", "KVReceiveConnector",
+    "KVReceiver", "KVSender", "LayoutMismatchError", "LoopbackHub", "MessageHeader",
+    "PushHandle", "PushPlan", "ReceiverEvents", "RemotePrefill", "ShardRoute",
     "TransferDescriptor", "TransferError", "reshard_routes", "routes_from", "routes_to",
 ]

@@ -165,18 +165,7 @@ def decode(
     (magic, version, kind, code, layout_id, group_id, seq, layer, count, head_start, head_end,
      dtype_code, flags, res2, block_size, head_dim, payload_nbytes, deadline, res3,
      ) = _FIXED.unpack_from(data)
-    if magic != MAGIC:
-        raise HeaderError(f"bad magic {magic!r}: not a pdserve KV message")
-    if version != VERSION:
-        raise HeaderError(f"header version {version}, this build speaks {VERSION}")
-    if layout_id != expected.layout_id:
-        raise LayoutMismatchError(
-            f"header layout id {layout_id.hex()} != this worker's {expected.layout_id.hex()} "
-            f"({expected}): prefill and decode run different models or cache configs")
-    if (dtype_code, block_size, head_dim) != (expected.dtype_code, expected.block_size,
-                                              expected.head_dim):
-        raise HeaderError(f"dtype/block_size/head_dim ({dtype_code}, {block_size}, {head_dim}) "
-                          f"contradict layout id {layout_id.hex()}")
+    _check_identity(magic, version, layout_id, (dtype_code, block_size, head_dim), expected)
     if res2 or res3:
         raise HeaderError("reserved header fields must be zero")
     kind = _kind(kind, code)
@@ -195,6 +184,22 @@ def decode(
     return MessageHeader(kind, ErrorCode(code), layout_id, group_id, seq, layer, head_start,
                          head_end, dtype_code, block_size, head_dim, payload_nbytes, deadline,
                          slices, flags)
+
+
+def _check_identity(magic: bytes, version: int, layout_id: bytes,
+                    shape: tuple[int, int, int], expected: KVLayout) -> None:
+    """A pdserve message of this version, for this worker's exact KV layout."""
+    if magic != MAGIC:
+        raise HeaderError(f"bad magic {magic!r}: not a pdserve KV message")
+    if version != VERSION:
+        raise HeaderError(f"header version {version}, this build speaks {VERSION}")
+    if layout_id != expected.layout_id:
+        raise LayoutMismatchError(
+            f"header layout id {layout_id.hex()} != this worker's {expected.layout_id.hex()} "
+            f"({expected}): prefill and decode run different models or cache configs")
+    if shape != (expected.dtype_code, expected.block_size, expected.head_dim):
+        raise HeaderError(f"dtype/block_size/head_dim {shape} contradict layout id "
+                          f"{layout_id.hex()}")
 
 
 def _kind(kind: int, code: int) -> Kind:

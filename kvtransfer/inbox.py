@@ -8,7 +8,7 @@
               validates it, claims its wanted slices and posts its payload recvs
               (kvtransfer.landing)
     lander    waits for message k's payload (bounded: PAYLOAD_STALL_S), then hands it to
-              `KVReceiver.land`, which unpacks what was staged, under the receiver's lock
+              its owner's `land` (KVReceiver), which unpacks what was staged under its lock
 
 so payload k+1 streams while payload k lands. A header that fails validation closes the
 channel before any payload recv is posted: no byte of that payload moves.
@@ -23,16 +23,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pdserve.kvtransfer.channel import PairChannel
 from pdserve.kvtransfer.descriptor import Endpoint
 from pdserve.kvtransfer.errors import ErrorCode, TransferError
 from pdserve.kvtransfer.header import HeaderError, Kind, LayoutMismatchError, MessageHeader, decode
 from pdserve.kvtransfer.landing import Delivery
-
-if TYPE_CHECKING:
-    from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.kvtransfer.layout import KVLayout
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +46,31 @@ JOIN_S = 2.0
 HEADERS_POSTED = 8
 
 
+class ChannelOwner(Protocol):
+    """What a reader needs from whoever owns the reservations (the KVReceiver)."""
+
+    def claim(self, source: Endpoint, channel: PairChannel, header: MessageHeader) -> Delivery:
+        """Claim the wanted slices of a LAYER header; the reader then posts the recvs."""
+
+    def release(self, delivery: Delivery) -> None:
+        """A delivery's recvs failed: its claims are no longer in flight."""
+
+    def land(self, source: Endpoint, channel: PairChannel, delivery: Delivery) -> None:
+        """Apply one received message."""
+
+    def channel_lost(self, source: Endpoint, channel: PairChannel, error: TransferError) -> None:
+        """The channel closed: fail what it carried."""
+
+
 class ChannelReader:
-    def __init__(self, receiver: KVReceiver, source: Endpoint, channel: PairChannel) -> None:
-        self.receiver, self.source, self.channel = receiver, source, channel
-        self.layout = receiver.layout
-        self.max_payload_nbytes = receiver.landing.max_payload_nbytes
-        self._queue: queue.Queue = queue.Queue(maxsize=receiver.landing.max_inflight)
+    def __init__(
+        self, owner: ChannelOwner, source: Endpoint, channel: PairChannel, layout: KVLayout,
+        max_payload_nbytes: int, max_inflight: int,
+    ) -> None:
+        self.owner, self.source, self.channel = owner, source, channel
+        self.layout = layout
+        self.max_payload_nbytes = max_payload_nbytes
+        self._queue: queue.Queue = queue.Queue(maxsize=max_inflight)
         self._drained = False  # the lander saw the reader's end-of-stream None
         self._deliveries: dict[int, Delivery] = {}  # posted, not yet landed or abandoned
         self._lock = threading.Lock()
@@ -84,12 +101,12 @@ class ChannelReader:
             loop()
         except TransferError as e:  # the channel is closed: nothing lands any more
             self._release_all()
-            self.receiver.channel_lost(self.source, self.channel, e)
+            self.owner.channel_lost(self.source, self.channel, e)
         except Exception as e:  # a bug here must fail transfers, not hang them
             logger.exception("channel %s reader crashed", self.channel.name)
             self.channel.close(f"receiver error: {type(e).__name__}: {e}", ErrorCode.PROTOCOL)
             self._release_all()
-            self.receiver.channel_lost(self.source, self.channel, TransferError(
+            self.owner.channel_lost(self.source, self.channel, TransferError(
                 f"receiver error: {e}", ErrorCode.PROTOCOL))
         finally:
             if loop == self._read:
@@ -115,7 +132,7 @@ class ChannelReader:
             if header.kind is not Kind.LAYER:
                 self._queue.put(Delivery(header))
                 continue
-            delivery = self.receiver.claim(self.source, self.channel, header)
+            delivery = self.owner.claim(self.source, self.channel, header)
             with self._lock:
                 self._deliveries[id(delivery)] = delivery
             try:
@@ -150,7 +167,7 @@ class ChannelReader:
             except TransferError:
                 self._abandon(delivery)
                 raise
-            self.receiver.land(self.source, self.channel, delivery)
+            self.owner.land(self.source, self.channel, delivery)
             self._done(delivery)
         self._drained = True
 
@@ -165,7 +182,7 @@ class ChannelReader:
     def _done(self, delivery: Delivery) -> None:
         with self._lock:
             self._deliveries.pop(id(delivery), None)
-        self.receiver.release(delivery)
+        self.owner.release(delivery)
 
     def _release_all(self) -> None:
         """After the channel closed: every posted recv is dead, release their claims now
@@ -173,4 +190,4 @@ class ChannelReader:
         with self._lock:
             deliveries = list(self._deliveries.values())
         for delivery in deliveries:
-            self.receiver.release(delivery)
+            self.owner.release(delivery)

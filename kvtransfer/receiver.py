@@ -205,7 +205,8 @@ class KVReceiver:
         return ErrorCode.LAYOUT_MISMATCH, reason
 
     def _on_channel(self, source: Endpoint, channel: PairChannel) -> None:
-        reader = ChannelReader(self, source, channel)
+        reader = ChannelReader(self, source, channel, self.layout,
+                               self.landing.max_payload_nbytes, self.landing.max_inflight)
         with self._cond:
             if self._closed:
                 channel.close("receiver shut down", ErrorCode.SHUTDOWN)

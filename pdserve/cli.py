@@ -6,8 +6,9 @@
     pdserve bench                   load a running service: latency percentiles, goodput
     pdserve profile / plan          measure the workers; simulate autoscaling policies
 
-Every `up` setting is a flag, a PDSERVE_* variable and a config-file key (pdserve/settings.py).
-The client commands read --address / PDSERVE_ADDRESS (default 127.0.0.1:50051).
+Every `up` setting is a flag, a PDSERVE_* variable and a config-file key
+(pdserve/launch/settings.py). The client commands read --address / PDSERVE_ADDRESS
+(default 127.0.0.1:50051).
 """
 
 from __future__ import annotations
@@ -21,11 +22,10 @@ import sys
 import uuid
 from collections.abc import Sequence
 
+from pdserve import defaults
 from pdserve.bench import cli as bench_cli
+from pdserve.launch.settings import ServeSettings
 from pdserve.planner import cli as planner_cli
-from pdserve.settings import ServeSettings
-
-DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _client_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", default=os.environ.get("PDSERVE_ADDRESS", DEFAULT_ADDRESS),
+    parser.add_argument("--address",
+                        default=os.environ.get("PDSERVE_ADDRESS", defaults.ROUTER_ADDRESS),
                         help="router address (env PDSERVE_ADDRESS)")
     parser.add_argument("--api-token", default=os.environ.get("PDSERVE_API_TOKEN"),
                         help="the router's API token (env PDSERVE_API_TOKEN)")
@@ -86,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _up(settings: ServeSettings) -> int:
-    from pdserve.service import Service
+    from pdserve.launch.service import Service
 
     service = Service(settings)
     stop = asyncio.Event()

@@ -43,6 +43,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from pdserve.redis_keys import prefix_key
+
 logger = logging.getLogger(__name__)
 
 BACKOFF_MIN_S = 0.2
@@ -83,7 +85,7 @@ class PrefixIndexPublisher:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if check_interval_s <= 0:
             raise ValueError(f"check_interval_s must be > 0, got {check_interval_s}")
-        self.key = f"{namespace}:prefix:{worker_id}"
+        self.key = prefix_key(namespace, worker_id)
         self.timeout_s = timeout_s
         self.check_interval_s = check_interval_s
         pool = redis.ConnectionPool.from_url(

@@ -59,14 +59,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return worker_pb2.WorkerAbortResponse(found=True)
 
     def GetLoad(self, request, context):
-        stats = self.worker.stats()
+        s = self.worker.stats()
         return worker_pb2.WorkerLoad(
-            worker_id=self.worker_id, num_blocks=stats["num_blocks"],
-            num_free_blocks=stats["num_free_blocks"], num_used_blocks=stats["num_used_blocks"],
-            num_running=stats["num_running"], num_waiting=stats["num_waiting"],
-            num_cached_blocks=stats["num_cached_blocks"],
-            max_num_seqs=self.worker.config.scheduler.max_num_seqs,
-            block_size=self.worker.config.cache.block_size, tp_size=1,
+            worker_id=self.worker_id, num_blocks=s.num_blocks,
+            num_free_blocks=s.num_free_blocks, num_used_blocks=s.num_used_blocks,
+            num_running=s.num_running, num_waiting=s.num_waiting,
+            num_cached_blocks=s.num_cached_blocks, max_num_seqs=s.max_num_seqs,
+            block_size=s.block_size, tp_size=s.tp_size,
         )
 
 

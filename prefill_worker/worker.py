@@ -1,13 +1,13 @@
 """PrefillWorker: runs prompts in chunked batches and pushes their KV into decode blocks.
 
 Each request runs as a one-token generation on the local engine (prefix cache included: only
-uncached tokens are computed, yet every block the decode side reserved is sent). In the step
-where a request's last chunk runs, its blocks are pushed layer by layer while later layers
-compute: all requests of the step going to one decode rank travel as one message per layer.
-The first token is the result. Blocks are released (kept in the prefix cache) only after
-their bytes have left. After every loop iteration the block pool's stored/evicted hashes go
-to the prefix index publisher (snapshots when it asks: prefill_worker/prefix_events.py). All
-engine work happens on the worker's loop thread.
+uncached tokens are computed, yet every block the decode side reserved is sent). Its step is
+the engine's own (`EngineCore.step`); the KV connector (kvtransfer.push_connector) pushes, in
+the step where a request's last chunk runs, its blocks layer by layer while later layers
+compute, and the step ends only once every byte has left: blocks are released (kept in the
+prefix cache) after that. The first token is the result. After every loop iteration the
+block pool's stored/evicted hashes go to the prefix index publisher (snapshots when it asks:
+prefill_worker/prefix_events.py). All engine work happens on the worker's loop thread.
 """
 
 from __future__ import annotations
@@ -15,27 +15,24 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import queue
-import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.loop import EngineLoop, LoopClosedError
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler_output import TokenLogprobs
+from pdserve.engine.scheduler_output import EngineCoreOutput, TokenLogprobs
+from pdserve.engine.worker_stats import WorkerStats
 from pdserve.kvtransfer.connector import Connector
 from pdserve.kvtransfer.descriptor import TransferDescriptor
-from pdserve.kvtransfer.errors import ErrorCode, TransferError
 from pdserve.kvtransfer.layout import KVLayout
-from pdserve.kvtransfer.sender import KVSender, PushHandle, PushPlan
+from pdserve.kvtransfer.push_connector import KVPushConnector
 from pdserve.prefill_worker.prefix_events import PrefixIndexPublisher
 
 logger = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.005
 
 @dataclasses.dataclass(frozen=True)
 class PrefillResult:
@@ -50,27 +47,23 @@ class PrefillWorker:
     def __init__(
         self,
         config: EngineConfig,
-        connector: Connector,
+        transport: Connector,
         model_name: str,
         publisher: PrefixIndexPublisher | None = None,
     ) -> None:
-        self.core = EngineCore(config)
+        """`transport` opens the KV channels; its source endpoint is this worker's identity
+        in every transfer descriptor."""
+        self.layout = KVLayout.from_model_config(config.model, config.cache.block_size,
+                                                 model_name)
+        self.connector = KVPushConnector(self.layout, transport)
+        self.core = EngineCore(config, connector=self.connector)
         self.config = self.core.config
-        self.layout = KVLayout.from_model_config(
-            self.config.model, self.config.cache.block_size, model_name
-        )
-        kv_caches = [kv[:2] for kv in self.core.runner.kv_caches]
-        self.sender = KVSender(self.layout, connector, 1, kv_caches)
-        self.endpoint = connector.source
-        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
-        self._descriptors: dict[str, TransferDescriptor] = {}
-        self._results: dict[str, Future[PrefillResult]] = {}
+        self.endpoint = self.connector.endpoint
+        self._results: dict[str, Future[PrefillResult]] = {}  # the callers' handles
         self.publisher = publisher
         if publisher is not None:
             self.core.kv_cache.pool.enable_events()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="prefill-loop", daemon=True)
-        self._thread.start()
+        self._loop = EngineLoop("prefill-loop", self._step, self._fail_all)
 
     def prefill(
         self,
@@ -80,110 +73,83 @@ class PrefillWorker:
         descriptor: TransferDescriptor,
     ) -> Future[PrefillResult]:
         """Queue a prompt; the future gives its first token once its KV has been pushed."""
-        if self._stop.is_set():
-            raise RuntimeError("prefill worker is closed")
         descriptor.check_layout(self.layout)
+        if tuple(descriptor.sources) != (self.endpoint,):
+            raise ValueError(f"descriptor of {request_id!r} names sources "
+                             f"{[s.key for s in descriptor.sources]}; this prefill worker is "
+                             f"{self.endpoint.key}")
         num_blocks = -(-len(prompt_token_ids) // self.layout.block_size)
         if descriptor.num_blocks != num_blocks:
             raise ValueError(
                 f"descriptor reserves {descriptor.num_blocks} blocks, the prompt needs {num_blocks}"
             )
-        result: Future[PrefillResult] = Future()
         first_token_only = dataclasses.replace(params, max_tokens=1, stop=())
         request = Request(request_id, tuple(prompt_token_ids), first_token_only,
-                          self.config.model.eos_token_ids)
-
-        def add() -> None:
-            self.core.add_request(request)
-            self._descriptors[request_id] = descriptor
-            self._results[request_id] = result
-
-        self._commands.put(add)
+                          self.config.model.eos_token_ids, kv_transfer=descriptor)
+        result: Future[PrefillResult] = Future()
+        try:
+            added = self._loop.submit(lambda: self._add(request, result))
+        except LoopClosedError as exc:
+            raise RuntimeError(f"prefill worker is closed ({exc})") from None
+        added.add_done_callback(lambda f: _fail_if_raised(f, result))
         return result
 
     def abort(self, request_id: str) -> None:
         """Drop a queued or half-prefilled prompt; its future fails. Unknown ids are ignored."""
-        self._commands.put(
-            lambda: self._fail([request_id], RuntimeError(f"request {request_id} aborted"))
-        )
+        with contextlib.suppress(LoopClosedError):  # a closed worker holds nothing
+            self._loop.submit(lambda: self._abort(request_id))
 
     def is_alive(self) -> bool:
         """Whether the engine loop still runs (a dead loop serves nothing)."""
-        return self._thread.is_alive()
+        return self._loop.is_alive()
 
-    def stats(self) -> dict[str, int]:
-        kv, scheduler = self.core.kv_cache, self.core.scheduler
-        return {"num_blocks": kv.pool.num_blocks, "num_free_blocks": kv.num_free_blocks,
-                "num_used_blocks": kv.pool.num_blocks - kv.num_free_blocks,
-                "num_cached_blocks": kv.pool.num_cached_blocks,
-                "num_running": len(scheduler.running), "num_waiting": len(scheduler.waiting),
-                "num_computed_tokens": scheduler.stats.num_computed_tokens}
+    def stats(self) -> WorkerStats:
+        """Read from the caller's thread: a load snapshot must not wait for a long step."""
+        return WorkerStats.from_core(self.core)
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
-        self.sender.close()
+        if not self._loop.stop(self.core.shutdown):  # it had died: release the transport here
+            self.connector.close()
 
-    def _loop(self) -> None:
-        try:
-            self._serve()
-        except Exception as exc:  # fail every waiting caller rather than leave it hanging
-            logger.exception("prefill loop failed")
-            self._stop.set()
-            for future in self._results.values():
-                future.set_exception(RuntimeError(f"prefill worker died: {exc}"))
+    # ---- loop thread ----
 
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            while True:
-                try:
-                    self._commands.get_nowait()()
-                except queue.Empty:
-                    break
-            if self.core.has_unfinished_requests():
-                self._step()
-            else:
-                with contextlib.suppress(queue.Empty):
-                    self._commands.get(timeout=IDLE_WAIT_S)()
-            self._publish_cache_events()
+    def _add(self, request: Request, result: Future[PrefillResult]) -> None:
+        self.core.add_request(request)
+        self._results[request.request_id] = result
 
-    def _step(self) -> None:
-        plan = self.core.scheduler.schedule()
-        finals = [e for e in plan.requests if e.sampling_params is not None]
-        pushes = self.sender.plan(
-            [(self._descriptors[e.request_id], e.block_ids) for e in finals]
-        )
-        handles: list[PushHandle] = []
-        first_push: list[float] = []
+    def _abort(self, request_id: str) -> None:
+        self.core.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        future = self._results.pop(request_id, None)
+        if future is not None:
+            future.set_exception(RuntimeError(f"request {request_id} aborted"))
 
-        def push(layer: int) -> None:
-            first_push.append(time.perf_counter())
-            handles.extend(self.sender.push_layer(layer, p) for p in pushes)
+    def _step(self) -> bool:
+        busy = self.core.has_unfinished_requests()
+        if busy:
+            try:
+                outputs = self.core.step()
+            except Exception as exc:  # the worker survives a failed batch; its requests fail
+                logger.exception("prefill step failed")
+                outputs = self.core.abort_step(f"prefill step failed: {exc}")
+                if not outputs:  # not a step's failure: nothing to pin it on
+                    raise
+            for out in outputs:
+                self._resolve(out)
+        self._publish_cache_events()
+        return busy
 
-        try:
-            result = self.core.runner.execute(plan, push)
-        except Exception as exc:  # the worker survives a failed batch; its requests fail
-            logger.exception("prefill step failed")
-            self.sender.abort(pushes, ErrorCode.PREFILL_FAILED)
-            self._fail([e.request_id for e in plan.requests], exc)
+    def _resolve(self, out: EngineCoreOutput) -> None:
+        future = self._results.pop(out.request_id, None)
+        if future is None:
             return
-        failed = self._complete(pushes, handles)
-        transfer_s = time.perf_counter() - first_push[0] if first_push else 0.0
-        for out in self.core.scheduler.update(plan, result):
-            future = self._results.pop(out.request_id, None)
-            descriptor = self._descriptors.pop(out.request_id, None)
-            if future is None:
-                continue
-            if out.request_id in failed:
-                future.set_exception(failed[out.request_id])
-            else:
-                layout = self.layout
-                nbytes = descriptor.num_blocks * layout.num_layers * layout.block_nbytes(
-                    layout.num_kv_heads)
-                future.set_result(PrefillResult(
-                    out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None,
-                    max(out.num_cached_tokens, 0), nbytes, transfer_s,
-                ))
+        if out.finish_reason == RequestStatus.FINISHED_ERROR.value:
+            future.set_exception(RuntimeError(out.error))
+            return
+        assert out.kv_save is not None, "a prefill request's last chunk pushes its KV"
+        future.set_result(PrefillResult(
+            out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None,
+            max(out.num_cached_tokens, 0), out.kv_save.num_bytes, out.kv_save.seconds,
+        ))
 
     def _publish_cache_events(self) -> None:
         if self.publisher is None:
@@ -195,33 +161,15 @@ class PrefillWorker:
         if self.publisher.needs_snapshot:
             self.publisher.snapshot(pool.cached_hashes())
 
-    def _complete(
-        self, pushes: list[PushPlan], handles: list[PushHandle]
-    ) -> dict[str, TransferError]:
-        """Wait until every pushed byte has left, then tell each receiver its transfer is done.
+    def _fail_all(self, exc: BaseException) -> None:
+        """The loop died: fail every waiting caller rather than leave it hanging."""
+        results, self._results = self._results, {}
+        for future in results.values():
+            future.set_exception(RuntimeError(f"prefill worker died: {exc}"))
 
-        Returns the requests whose transfer failed, by request id.
-        """
-        failed: dict[bytes, TransferError] = {}
-        for handle in handles:
-            try:
-                handle.wait()
-            except TransferError as exc:
-                failed.update((t, exc) for t in handle.plan.transfer_ids)
-        for push in pushes:
-            if any(t in failed for t in push.transfer_ids):
-                continue
-            try:
-                self.sender.finish(push).wait()
-            except TransferError as exc:
-                failed.update((t, exc) for t in push.transfer_ids)
-        by_id = {d.transfer_id: rid for rid, d in self._descriptors.items()}
-        return {by_id[t]: exc for t, exc in failed.items() if t in by_id}
 
-    def _fail(self, request_ids: list[str], exc: BaseException) -> None:
-        for rid in request_ids:
-            self.core.finish_request(rid, RequestStatus.FINISHED_ABORTED)
-            self._descriptors.pop(rid, None)
-            future = self._results.pop(rid, None)
-            if future is not None:
-                future.set_exception(exc)
+def _fail_if_raised(added: Future, result: Future) -> None:
+    """The request never reached the engine (bad id, or the loop closed first)."""
+    exc = added.exception()
+    if exc is not None and not result.done():
+        result.set_exception(exc)

@@ -10,6 +10,8 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import start_http_server
 
+from pdserve import defaults
+
 logger = logging.getLogger(__name__)
 
 
@@ -39,6 +41,7 @@ REQUEST_STATUSES: tuple[str, ...] = (
     "overloaded",
     "cancelled",
     "unavailable",
+    "deadline",
     "error",
 )
 
@@ -226,7 +229,7 @@ class RouterMetrics:
         """The registry in Prometheus text exposition format."""
         return generate_latest(self.registry)
 
-    def start_http(self, host: str = "127.0.0.1", port: int = 0) -> int:
+    def start_http(self, host: str = defaults.HOST, port: int = 0) -> int:
         """Serve /metrics on host:port in a daemon thread; port 0 picks a free port.
         Returns the bound port."""
         if self._server is not None:

@@ -19,10 +19,12 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve import defaults
 from pdserve.proto import pdserve_pb2, worker_pb2
 from pdserve.router.admission import Overloaded
 from pdserve.router.auth import TokenAuth
-from pdserve.router.router import NoCapacity, Router
+from pdserve.router.placement import NoCapacity
+from pdserve.router.router import Router
 from pdserve.router.stream import WorkerFailed
 from pdserve.router.validation import InvalidArgument, parse_generate_request, validate
 from pdserve.router.workers import WorkerLost
@@ -124,7 +126,7 @@ def _handlers(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
 class RouterServer:
     """The gRPC server around a Router, plus the loop that keeps health and gauges current."""
 
-    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, router: Router, host: str = defaults.HOST, port: int = 0,
                  api_token: str | None = None) -> None:
         self.router = router
         self.server = grpc.aio.server(interceptors=[TokenAuth(api_token)] if api_token else [])

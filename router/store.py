@@ -1,13 +1,7 @@
 """RedisStore: the router's shared state in Redis (sessions, prefix index), fail-open.
 
-Keys (all under one namespace, so several deployments can share a Redis):
-
-- `{ns}:session:{session_id}`: a HASH with `token_ids` (a JSON list of ints) and
-  `decode_worker`; its TTL is reset to `session_ttl_s` on every put.
-- `{ns}:prefix:{worker_id}`: a SET of the raw 16-byte block hashes the worker holds. Together
-  the per-worker sets are the cluster's block-hash -> workers index: a block is held by the
-  workers whose set contains it. Workers keep their own set current
-  (`prefill_worker.prefix_events.PrefixIndexPublisher`); the router only reads.
+The keys are `pdserve.redis_keys`' (sessions, which this store reads and writes, and the
+workers' prefix sets, which it only reads).
 
 Redis is advisory here, never on the critical path: every call is bounded by `timeout_s` and
 answers "unknown" (None, {}, nothing done) on any Redis trouble, so routing falls back to
@@ -28,6 +22,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from pdserve import redis_keys
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -44,7 +40,7 @@ class RedisStore:
         self,
         url: str,
         password: str | None = None,
-        namespace: str = "pdserve",
+        namespace: str = redis_keys.DEFAULT_NAMESPACE,
         timeout_s: float = 0.05,
         session_ttl_s: int = 3600,
     ) -> None:
@@ -74,10 +70,10 @@ class RedisStore:
         return self._healthy
 
     def session_key(self, session_id: str) -> str:
-        return f"{self.namespace}:session:{session_id}"
+        return redis_keys.session_key(self.namespace, session_id)
 
     def prefix_key(self, worker_id: str) -> str:
-        return f"{self.namespace}:prefix:{worker_id}"
+        return redis_keys.prefix_key(self.namespace, worker_id)
 
     async def check(self) -> bool:
         """PING; the router calls this every second or so, so health recovers without traffic."""

@@ -10,16 +10,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.proto import pdserve_pb2
+from pdserve.router.flight import Flight, Placement
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.validation import ValidRequest
 from pdserve.router.workers import Lost, WorkerLost
-
-if TYPE_CHECKING:
-    from pdserve.router.router import Flight, Placement
 
 
 class WorkerFailed(Exception):

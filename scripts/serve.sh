@@ -5,7 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-address="${PDSERVE_HOST:-127.0.0.1}:${PDSERVE_PORT:-50051}"
+read -r host port < <(.venv/bin/python -c \
+    "from pdserve import defaults; print(defaults.HOST, defaults.ROUTER_PORT)")
+address="${PDSERVE_HOST:-$host}:${PDSERVE_PORT:-$port}"
 .venv/bin/pdserve up "$@" &
 server=$!
 trap 'kill -INT "$server" 2>/dev/null; wait "$server"; exit 130' INT TERM

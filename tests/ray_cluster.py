@@ -21,7 +21,7 @@ def local_cluster(nodes: Sequence[tuple[int, dict[str, float]]]) -> Iterator:
     cluster with this process connected to it as the driver."""
     from ray.cluster_utils import Cluster
 
-    from pdserve.cluster import start_ray, stop_ray
+    from pdserve.launch.ray_runtime import start_ray, stop_ray
 
     tmpdir = tempfile.mkdtemp(prefix="pdray", dir="/tmp")
     saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "RAY_USAGE_STATS_ENABLED")}

@@ -1,4 +1,4 @@
-"""`pdserve bench`: the pure library behind the serving benchmark.
+"""`pdserve bench`: load a running service and measure it.
 
 - `workloads`: seeded request mixes (ShareGPT-like lengths, input x output grids, multi-turn
   sessions) over random token ids.
@@ -6,6 +6,10 @@
 - `trace`: `RequestRecord`, what the runner measured for one request, and its JSON form.
 - `metrics`: TTFT / TPOT / ITL / E2E, percentiles, SLOs, goodput and the run `Summary`.
 - `report`: text tables, the JSON result file and the CDF / sweep plot.
+- `runner`: drives a service through `AsyncClient` with a workload and its send times.
+- `openai_backend`: the same turns sent to an OpenAI-compatible HTTP server instead.
+- `cli`: `pdserve bench`.
 
-No torch, no I/O outside `report`, no network: the async runner and the CLI live elsewhere.
+The first five are pure (no torch, no network; I/O only in `report`): the planner's simulator
+judges its runs with the same `metrics`.
 """

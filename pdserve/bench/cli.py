@@ -18,6 +18,7 @@ import math
 import os
 import urllib.request
 
+from pdserve import defaults
 from pdserve.bench import arrivals, metrics, report, workloads
 from pdserve.bench.runner import Job, run_jobs
 from pdserve.router.metrics_text import quantile_between
@@ -29,10 +30,10 @@ ROUTER_HISTOGRAMS = {"ttft": "pdserve_time_to_first_token_seconds",
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark a running service", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--address", default="127.0.0.1:50051")
+    p.add_argument("--address", default=defaults.ROUTER_ADDRESS)
     p.add_argument("--api-token", default=os.environ.get("PDSERVE_API_TOKEN"),
                    help="the router's API token (env PDSERVE_API_TOKEN)")
-    p.add_argument("--metrics-url", default="http://127.0.0.1:9400/metrics",
+    p.add_argument("--metrics-url", default=defaults.METRICS_URL,
                    help="the router's Prometheus endpoint ('' to skip the comparison)")
     p.add_argument("--workload", choices=["sharegpt", "grid", "sessions"], default="sharegpt")
     p.add_argument("--num-requests", type=int, default=100, help="sharegpt: requests")

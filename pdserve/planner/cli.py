@@ -20,9 +20,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pdserve.bench.metrics import SLO, format_slo, parse_slo
+from pdserve.planner.evaluation import PlanSummary, evaluate
 from pdserve.planner.perf_model import PerfModel
 from pdserve.planner.policy import load_policy
-from pdserve.planner.simulator import PlanSummary, SimConfig, SimResult, evaluate, simulate
+from pdserve.planner.simulator import SimConfig, SimResult, simulate
 from pdserve.planner.traces import TraceRequest, bursty_trace, load_trace, steady_trace
 
 logger = logging.getLogger(__name__)

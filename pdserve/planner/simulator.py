@@ -22,8 +22,8 @@ Model (times from a `PerfModel`; no randomness here — traces carry it, seeded)
 
 Outputs: one `RequestRecord` per request (pdserve.bench.trace, one token per chunk), so
 `pdserve.bench.metrics` computes TTFT / ITL / TPOT and SLO attainment exactly as for a real
-run; replica counts over time; worker-hours and cost per pool. The run ends when the last
-request finishes.
+run (`evaluation.evaluate`); replica counts over time; worker-hours and cost per pool (the
+workers and their lifecycle: `sim_fleet`). The run ends when the last request finishes.
 """
 
 from __future__ import annotations
@@ -34,10 +34,9 @@ import logging
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
 
-from pdserve.bench.metrics import SLO, meets, percentile, summarize
+from pdserve.bench.metrics import percentile
 from pdserve.bench.trace import RequestRecord
 from pdserve.planner.perf_model import PerfModel
 from pdserve.planner.policy import (
@@ -48,6 +47,7 @@ from pdserve.planner.policy import (
     PlannerState,
     decide,
 )
+from pdserve.planner.sim_fleet import ReplicaPoint, SimFleet, SimSeq, SimWorker
 from pdserve.planner.traces import TraceRequest
 
 logger = logging.getLogger(__name__)
@@ -71,17 +71,6 @@ class SimConfig:
                 raise ValueError(f"{name} must be >= 1 (or None), got {v}")
 
 
-class ReplicaPoint(NamedTuple):
-    """Pool sizes from `time_s` on (recorded when they change): targets (what the planner
-    asked, workers starting included) and workers ready to serve."""
-
-    time_s: float
-    prefill: int
-    decode: int
-    prefill_ready: int
-    decode_ready: int
-
-
 @dataclass(frozen=True)
 class SimResult:
     policy: PlannerPolicy
@@ -93,35 +82,6 @@ class SimResult:
     cost: float
 
 
-@dataclass(eq=False)
-class _Seq:
-    index: int
-    context: int  # tokens in the KV cache
-    remaining: int  # decode tokens still to generate
-
-
-@dataclass(eq=False)
-class _Worker:
-    wid: int
-    role: str
-    born_s: float
-    ready: bool = False
-    draining: bool = False
-    stopped_s: float | None = None
-    busy: bool = False  # prefill: serving a request; decode: a step is running
-    running: list[_Seq] = field(default_factory=list)  # decode batch
-    pending: list[_Seq] = field(default_factory=list)  # join at the next step boundary
-
-    @property
-    def active(self) -> bool:
-        """Counts toward the pool's size: not draining, not stopped."""
-        return not self.draining and self.stopped_s is None
-
-    @property
-    def load(self) -> int:
-        return len(self.running) + len(self.pending) if self.role == "decode" else int(self.busy)
-
-
 class _Simulation:
     """Mutable simulation state; owned by `simulate` for one run."""
 
@@ -130,12 +90,11 @@ class _Simulation:
         self.trace, self.policy, self.perf, self.config = list(trace), policy, perf, config
         self.events: list[tuple[float, int, int, object]] = []
         self.counter = itertools.count()
-        self.workers: list[_Worker] = []
+        self.fleet = SimFleet()
         self.queue: deque[int] = deque()
         self.token_times: list[list[float]] = [[] for _ in self.trace]
         self.num_done = 0
         self.state = PlannerState()
-        self.timeline: list[ReplicaPoint] = []
         self.decisions: list[tuple[Observation, Decision]] = []
         self.window_arrivals: list[int] = []
         self.window_ttfts: list[float] = []
@@ -147,46 +106,16 @@ class _Simulation:
 
     # -- workers ------------------------------------------------------------------------------
 
-    def pool(self, role: str) -> list[_Worker]:
-        return [w for w in self.workers if w.role == role and w.active]
-
-    def add_worker(self, role: str, ready: bool) -> None:
-        w = _Worker(len(self.workers), role, self.now, ready=ready)
-        self.workers.append(w)
-        if not ready:
-            self.push(self.now + self.config.startup_delay_s, _READY, w)
-
-    def remove_worker(self, role: str) -> None:
-        starting = [w for w in self.pool(role) if not w.ready]
-        victim = starting[-1] if starting else min(
-            self.pool(role), key=lambda w: (w.load, -w.wid))
-        victim.draining = True
-        if not victim.ready or victim.load == 0:
-            victim.stopped_s = self.now
-
     def resize(self, role: str, target: int) -> None:
-        while len(self.pool(role)) < target:
-            self.add_worker(role, ready=self.config.startup_delay_s == 0)
-        while len(self.pool(role)) > target:
-            self.remove_worker(role)
-
-    def record_replicas(self) -> None:
-        p, d = self.pool("prefill"), self.pool("decode")
-        point = ReplicaPoint(self.now, len(p), len(d), sum(w.ready for w in p),
-                             sum(w.ready for w in d))
-        last = self.timeline[-1] if self.timeline else None
-        if last is not None and (last.prefill, last.decode, last.prefill_ready,
-                                 last.decode_ready) == point[1:]:
-            return  # only changes are recorded
-        if last is not None and last.time_s == self.now:
-            self.timeline[-1] = point
-        else:
-            self.timeline.append(point)
+        delay = self.config.startup_delay_s
+        for w in self.fleet.resize(role, target, self.now, ready=delay == 0):
+            if not w.ready:
+                self.push(self.now + delay, _READY, w)
 
     # -- prefill ------------------------------------------------------------------------------
 
     def dispatch_prefill(self) -> None:
-        for w in self.pool("prefill"):
+        for w in self.fleet.pool("prefill"):
             if not self.queue:
                 return
             if w.ready and not w.busy:
@@ -195,7 +124,7 @@ class _Simulation:
                 done = self.now + self.perf.prefill_time(self.trace[i].input_tokens)
                 self.push(done, _PREFILL_DONE, (w, i))
 
-    def prefill_done(self, w: _Worker, i: int) -> None:
+    def prefill_done(self, w: SimWorker, i: int) -> None:
         w.busy = False
         if w.draining:
             w.stopped_s = self.now
@@ -205,17 +134,17 @@ class _Simulation:
         if req.output_tokens <= 1:
             self.num_done += 1
         else:
-            ready = [d for d in self.pool("decode") if d.ready]
+            ready = [d for d in self.fleet.pool("decode") if d.ready]
             assert ready, "the decode pool always keeps a ready worker"
             target = min(ready, key=lambda d: (d.load, d.wid))
-            target.pending.append(_Seq(i, req.input_tokens + 1, req.output_tokens - 1))
+            target.pending.append(SimSeq(i, req.input_tokens + 1, req.output_tokens - 1))
             if not target.busy:
                 self.start_step(target)
         self.dispatch_prefill()
 
     # -- decode -------------------------------------------------------------------------------
 
-    def start_step(self, w: _Worker) -> None:
+    def start_step(self, w: SimWorker) -> None:
         w.running.extend(w.pending)
         w.pending.clear()
         if not w.running:
@@ -227,7 +156,7 @@ class _Simulation:
         context = sum(s.context for s in w.running) / len(w.running)
         self.push(self.now + self.perf.decode_step_time(len(w.running), context), _STEP_DONE, w)
 
-    def step_done(self, w: _Worker) -> None:
+    def step_done(self, w: SimWorker) -> None:
         still = []
         for s in w.running:
             times = self.token_times[s.index]
@@ -248,7 +177,7 @@ class _Simulation:
         interval = self.policy.interval_s
         arrived = [self.trace[i] for i in self.window_arrivals]
         n = len(arrived)
-        decode = [w for w in self.pool("decode") if w.ready]
+        decode = [w for w in self.fleet.pool("decode") if w.ready]
         cap = self.config.kv_capacity_tokens
         kv = 0.0
         if cap and decode:
@@ -263,8 +192,8 @@ class _Simulation:
             itl_p90_s=percentile(self.window_itls, 90),
             queue_depth=len(self.queue),
             kv_usage=kv,
-            num_prefill=len(self.pool("prefill")),
-            num_decode=len(self.pool("decode")),
+            num_prefill=len(self.fleet.pool("prefill")),
+            num_decode=len(self.fleet.pool("decode")),
         )
 
     def tick(self) -> None:
@@ -274,7 +203,7 @@ class _Simulation:
         self.window_arrivals, self.window_ttfts, self.window_itls = [], [], []
         self.resize("prefill", decision.num_prefill)
         self.resize("decode", decision.num_decode)
-        self.record_replicas()
+        self.fleet.record_replicas(self.now)
         self.dispatch_prefill()
         self.push(self.now + self.policy.interval_s, _TICK)
 
@@ -285,8 +214,8 @@ class _Simulation:
         for role, n in (("prefill", self.config.initial_prefill or p_lo),
                         ("decode", self.config.initial_decode or d_lo)):
             for _ in range(n):
-                self.add_worker(role, ready=True)
-        self.record_replicas()
+                self.fleet.add(role, self.now, ready=True)
+        self.fleet.record_replicas(self.now)
         for i, req in enumerate(self.trace):
             self.push(req.arrival_s, _ARRIVAL, i)
         self.push(self.policy.interval_s, _TICK)
@@ -305,20 +234,17 @@ class _Simulation:
         elif kind == _STEP_DONE:
             self.step_done(payload)  # type: ignore[arg-type]
         elif kind == _READY:
-            w: _Worker = payload  # type: ignore[assignment]
+            w: SimWorker = payload  # type: ignore[assignment]
             if w.stopped_s is None:
                 w.ready = True
-                self.record_replicas()
+                self.fleet.record_replicas(self.now)
                 self.dispatch_prefill()
         else:
             self.tick()
 
     def result(self) -> SimResult:
         end = max((t[-1] for t in self.token_times if t), default=0.0)
-        hours = {role: 0.0 for role in ROLES}
-        for w in self.workers:
-            stop = end if w.stopped_s is None else min(w.stopped_s, end)
-            hours[w.role] += max(stop - w.born_s, 0.0) / 3600
+        hours = self.fleet.worker_hours(end)
         cost = sum(hours[r] * self.policy.cost_per_hour(r) for r in ROLES)
         records = [
             RequestRecord(request_id=f"r{i}", start=req.arrival_s, end=times[-1],
@@ -326,8 +252,8 @@ class _Simulation:
                           num_prompt_tokens=req.input_tokens)
             for i, (req, times) in enumerate(zip(self.trace, self.token_times))
         ]
-        return SimResult(self.policy, records, self.timeline, self.decisions, end, hours, cost)
-
+        return SimResult(self.policy, records, self.fleet.timeline, self.decisions, end, hours,
+                         cost)
 
 def simulate(
     trace: Sequence[TraceRequest], policy: PlannerPolicy, perf: PerfModel,
@@ -343,47 +269,3 @@ def simulate(
     logger.info("simulated %d requests over %.0fs with policy %r", len(ordered),
                 result.duration_s, policy.name)
     return result
-
-
-@dataclass(frozen=True)
-class PlanSummary:
-    """One simulated run judged against one SLO (attainments are fractions of all requests;
-    the ITL criterion is per request: its TPOT, the mean of its gaps, within the target)."""
-
-    name: str
-    num_requests: int
-    ttft_attainment: float
-    itl_attainment: float
-    attainment: float  # both at once
-    ttft_p90_s: float
-    itl_p90_s: float  # over every token gap, token-weighted
-    worker_hours: float
-    cost: float
-    prefill_range: tuple[int, int]  # (min, max) target replicas over the run
-    decode_range: tuple[int, int]
-
-
-def evaluate(result: SimResult, slo: SLO) -> PlanSummary:
-    """Attainment and latency percentiles with `pdserve.bench.metrics`, plus cost and range."""
-    records = result.records
-    n = len(records)
-
-    def attained(bound: SLO | None) -> float:
-        return sum(meets(r, bound) for r in records) / n if n and bound else math.nan
-
-    stats = summarize(records, max(result.duration_s, 1e-9), slo)
-    p = [pt.prefill for pt in result.timeline]
-    d = [pt.decode for pt in result.timeline]
-    return PlanSummary(
-        name=result.policy.name,
-        num_requests=n,
-        ttft_attainment=attained(SLO(ttft_s=slo.ttft_s) if slo.ttft_s else None),
-        itl_attainment=attained(SLO(tpot_s=slo.tpot_s) if slo.tpot_s else None),
-        attainment=attained(slo),
-        ttft_p90_s=stats.ttft.p90,
-        itl_p90_s=stats.itl.p90,
-        worker_hours=sum(result.worker_hours.values()),
-        cost=result.cost,
-        prefill_range=(min(p), max(p)),
-        decode_range=(min(d), max(d)),
-    )

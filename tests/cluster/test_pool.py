@@ -19,10 +19,11 @@ import time
 import grpc
 import pytest
 
-from pdserve.cluster import WorkerInfo, WorkerPool
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.worker_spec import WorkerSpec
+from pdserve.launch.pool import WorkerPool
+from pdserve.launch.worker import WorkerInfo
 from pdserve.proto import pdserve_pb2, worker_pb2, worker_pb2_grpc
 from tests.ray_cluster import local_cluster
 from tests.workers.pd import engine_config, run_engine
@@ -216,7 +217,7 @@ def test_pool_times_out_naming_what_it_waits_for(pool, tiny_llama_dir):
 LOCAL_HEAD = """
 import json, sys
 import ray
-from pdserve.cluster import start_ray, stop_ray
+from pdserve.launch.ray_runtime import start_ray, stop_ray
 start_ray(None, {"prefill": 1, "decode": 1}, 2, sys.argv[1])
 seen = {"nodes": [n["NodeManagerAddress"] for n in ray.nodes()],
         "gcs": ray.get_runtime_context().gcs_address, "resources": ray.cluster_resources()}

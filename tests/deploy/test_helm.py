@@ -27,7 +27,7 @@ import jsonschema
 import pytest
 import yaml
 
-from pdserve.settings import ServeSettings
+from pdserve.launch.settings import ServeSettings
 
 from .crd_schemas import SCHEMAS
 

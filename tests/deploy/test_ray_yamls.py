@@ -1,4 +1,4 @@
-"""deploy/ray/*.yaml through Ray's own offline validation and pdserve.deploy_check.
+"""deploy/ray/*.yaml through Ray's own offline validation and pdserve.launch.deploy_check.
 
 Ray's `prepare_config` + `validate_config` are what `ray up` runs before its first cloud call;
 the negative cases pin down which mistakes Ray catches by itself and which only deploy_check
@@ -16,8 +16,8 @@ import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
 from pdserve.cli import build_parser
-from pdserve.deploy_check import ClusterYamlError, main, validate_cluster_yaml
-from pdserve.settings import ServeSettings
+from pdserve.launch.deploy_check import ClusterYamlError, main, validate_cluster_yaml
+from pdserve.launch.settings import ServeSettings
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "ray"
 CLUSTER, LOCAL = DEPLOY / "cluster.yaml", DEPLOY / "local.yaml"

@@ -11,9 +11,9 @@ from dataclasses import replace
 
 import grpc
 
+from pdserve.launch.service import Service
+from pdserve.launch.settings import ServeSettings
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
-from pdserve.service import Service
-from pdserve.settings import ServeSettings
 
 
 def tiny_settings(model_dir, ray_address: str, **overrides) -> ServeSettings:

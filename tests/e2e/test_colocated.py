@@ -32,8 +32,8 @@ def test_colocated_serves_the_offline_engines_tokens_on_both_workers(service, ti
         got = list(pool.map(lambda p: list(client.complete(p, sampling=GREEDY).token_ids),
                             prompts))
     assert got == expected
-    # concurrent requests spread over both workers, and each prefilled its own prompts
-    cached = wait_until(lambda: (c := [w.num_cached_blocks for w in stats(service.address).workers
-                                       if w.num_used_blocks == 0]) and len(c) == 2 and c,
-                        5, "both workers idle")
-    assert all(n > 0 for n in cached), cached
+    # concurrent requests spread over both workers, and each prefilled its own prompts; the
+    # router's load snapshot lags by <= 0.2 s, and the tiny model may finish inside that lag
+    wait_until(lambda: (c := [w.num_cached_blocks for w in stats(service.address).workers
+                              if w.num_used_blocks == 0]) and len(c) == 2 and all(c),
+               5, "both workers idle, each holding cached blocks of its own prompts")

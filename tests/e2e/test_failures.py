@@ -40,7 +40,7 @@ def running_on(address: str) -> int:
 
 def prefix_owner(service, prompt: list[int]) -> tuple[str, int]:
     """Where the router would prefill `prompt`, and its prefix hit there (tokens)."""
-    client, hit = service.run(service.router.choose_prefill(prompt))
+    client, hit = service.run(service.router.placer.choose_prefill(prompt))
     return client.worker_id, hit
 
 

@@ -57,8 +57,8 @@ def test_abort_and_early_exit_free_every_block(llm):
             if len(out.token_ids) >= 2:
                 break  # the generator's cleanup aborts the request
         await asyncio.sleep(0)
-        for _ in range(100):
-            if not llm.engine.has_unfinished_requests() and not engine._adds:
+        for _ in range(100):  # the abort runs on the engine's loop thread, at a step boundary
+            if not llm.engine.has_unfinished_requests():
                 break
             await asyncio.sleep(0.02)
         await engine.shutdown()
@@ -79,8 +79,46 @@ def test_bad_input_raises_before_queueing(llm):
             engine.add_request("x", "", SamplingParams())
         with pytest.raises(ValueError, match="prompt_token_ids"):
             engine.add_request("y", [10**9], SamplingParams())
-        assert not engine._streams and not engine._adds
+        # nothing was queued: the same ids are free, and only the good requests run
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        for rid in ("x", "y"):
+            outs = [out async for out in engine.add_request(rid, "fine now", params)]
+            assert outs[-1].finished and len(outs[-1].token_ids) == 2
         await engine.shutdown()
 
     asyncio.run(main())
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_dead_loop_fails_every_stream_and_later_calls(llm):
+    """A step that raises ends every open stream with the reason; nothing hangs after."""
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+
+    async def main():
+        engine = AsyncLLMEngine(llm.engine)
+        step, calls = llm.engine.step, [0]
+
+        def failing_step():
+            calls[0] += 1
+            if calls[0] == 3:
+                raise RuntimeError("the model fell over")
+            return step()
+
+        llm.engine.step = failing_step
+        try:
+            streams = [engine.add_request(f"d{i}", "doomed", params) for i in range(2)]
+            for stream in streams:
+                with pytest.raises(RuntimeError, match="fell over"):
+                    async for _ in stream:
+                        pass
+            with pytest.raises(RuntimeError, match="died"):
+                engine.add_request("late", "too late", params)
+            await engine.shutdown()
+        finally:
+            del llm.engine.step
+        for rid in ("d0", "d1"):  # the engine is the caller's again: free what it held
+            llm.engine.abort(rid)
+
+    asyncio.run(main())
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.core.kv_cache.num_free_blocks == llm.config.cache.num_blocks

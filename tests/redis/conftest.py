@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from pdserve.redis_server import RedisServer
+from pdserve.launch.redis_server import RedisServer
 
 
 @pytest.fixture(scope="module")

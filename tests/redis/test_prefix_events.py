@@ -10,8 +10,8 @@ from redis.retry import Retry
 
 from pdserve.engine.block_hash import hash_block
 from pdserve.engine.block_pool import Block, BlockPool
+from pdserve.launch.redis_server import RedisServer
 from pdserve.prefill_worker.prefix_events import PrefixIndexPublisher
-from pdserve.redis_server import RedisServer
 from tests.redis.conftest import wait_until
 
 

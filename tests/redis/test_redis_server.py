@@ -9,7 +9,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from pdserve.redis_server import RedisServer, redis_server_binary
+from pdserve.launch.redis_server import RedisServer, redis_server_binary
 
 _NO_RETRY = {"socket_timeout": 1, "socket_connect_timeout": 1, "retry": Retry(NoBackoff(), 0)}
 

@@ -107,7 +107,7 @@ def test_namespaces_are_isolated(redis_server):
 
 
 def test_password_protected_server():
-    from pdserve.redis_server import RedisServer
+    from pdserve.launch.redis_server import RedisServer
 
     with RedisServer(port=0, password="pw") as server:
         bare_url = f"redis://127.0.0.1:{server.port}/0"

@@ -15,8 +15,8 @@ from transformers import AutoTokenizer
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto import pdserve_pb2, worker_pb2
+from pdserve.router.flight import Flight, Placement
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.router import Flight, Placement
 from pdserve.router.stream import ResponseStream, WorkerFailed
 from pdserve.router.validation import ValidRequest
 from pdserve.router.workers import Lost, WorkerLost

@@ -15,6 +15,7 @@ import numpy as np
 
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv_connector import KVArrival, KVConnector, KVConnectorEvents
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -131,19 +132,67 @@ def test_decodes_come_first_and_chunks_respect_budget():
     assert plan.requests[1].sampling_params is None  # mid-prompt chunk samples nothing
 
 
+class FakeConnector(KVConnector):
+    """The scheduler side of a KV connector, in memory: the test says what has landed."""
+
+    def __init__(self) -> None:
+        self.reserved: dict[str, tuple[int, ...]] = {}
+        self.events = KVConnectorEvents()
+        self.finished: list[tuple[str, RequestStatus, bool]] = []  # (id, status, blocks held)
+        self.kv: KVCacheManager | None = None
+
+    def reserve(self, request, block_ids):
+        self.reserved[request.request_id] = tuple(block_ids)
+        return tuple(block_ids)
+
+    def land(self, request_id: str, first_token: int) -> None:
+        del self.reserved[request_id]
+        self.events = KVConnectorEvents(ready=(KVArrival(request_id, first_token),))
+
+    def fail(self, request_id: str, why: str) -> None:
+        del self.reserved[request_id]
+        self.events = KVConnectorEvents(failed=((request_id, why),))
+
+    def poll(self):
+        events, self.events = self.events, KVConnectorEvents()
+        return events
+
+    def request_finished(self, request):
+        held = bool(self.kv.block_ids(request.request_id))
+        self.finished.append((request.request_id, request.status, held))
+        self.reserved.pop(request.request_id, None)
+
+    def register_kv_caches(self, kv_caches): ...
+    def start_save(self, plan): ...
+    def save_kv_layer(self, layer): ...
+    def wait_for_save(self):
+        return {}
+    def abort_save(self): ...
+    def close(self): ...
+
+
+def remote_scheduler(num_blocks: int) -> tuple[Scheduler, KVCacheManager, FakeConnector]:
+    kv, connector = KVCacheManager(num_blocks, 4, True), FakeConnector()
+    connector.kv = kv
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64)
+    return Scheduler(config, kv, 64, connector), kv, connector
+
+
 def test_remote_prefill_reservation_admission_and_refusal():
     """Decode side: blocks reserved up front, KV written by someone else, then admitted."""
-    kv = KVCacheManager(8, 4, True)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), kv, 64)
+    scheduler, kv, connector = remote_scheduler(8)
     runner = FakeRunner(8, 4)
     prompt = [11, 12, 13, 14, 15, 16]
     request = Request("remote", tuple(prompt), SamplingParams(max_tokens=5), (EOS,))
     blocks = scheduler.reserve_remote(request)
     assert len(blocks) == 2 and kv.num_free_blocks == 6
+    assert connector.reserved == {"remote": blocks}
     runner.cache[runner.slots(tuple(blocks), range(len(prompt)))] = prompt  # "the transfer"
-    assert scheduler.schedule().requests == ()  # not runnable until admitted
-    first = next_token(prompt)
-    outputs = [scheduler.admit_remote("remote", first)]
+    plan = scheduler.schedule()
+    assert plan.requests == ()  # not runnable until the connector says it landed
+    assert scheduler.update(plan, runner.execute(plan)) == []
+    connector.land("remote", next_token(prompt))
+    outputs = []
     while scheduler.has_unfinished_requests():
         plan = scheduler.schedule()
         outputs += scheduler.update(plan, runner.execute(plan))
@@ -156,3 +205,20 @@ def test_remote_prefill_reservation_admission_and_refusal():
     assert scheduler.reserve_remote(again) is not None
     assert scheduler.finish_request("again", RequestStatus.FINISHED_ABORTED)
     assert kv.num_free_blocks == 8
+    # the connector let go of the aborted transfer while its blocks were still held
+    assert connector.finished[-1] == ("again", RequestStatus.FINISHED_ABORTED, True)
+    assert connector.reserved == {}
+
+
+def test_remote_transfer_failure_ends_the_request_with_its_reason():
+    scheduler, kv, connector = remote_scheduler(8)
+    for rid in ("a", "b"):
+        scheduler.reserve_remote(Request(rid, (1, 2, 3, 4, 5), SamplingParams(), (EOS,)))
+    assert scheduler.reserve_remote(Request("c", (1,), SamplingParams(), (EOS,))) is None
+    connector.fail("a", "[DEADLINE] too late")
+    plan = scheduler.schedule()
+    (out,) = scheduler.update(plan, FakeRunner(8, 4).execute(plan))
+    assert (out.request_id, out.finish_reason, out.error) == ("a", "error", "[DEADLINE] too late")
+    assert out.new_token_ids == () and "a" not in scheduler.requests
+    assert kv.num_free_blocks == 6 and scheduler.num_remote == 1  # b still holds its 2
+    assert scheduler.reserve_remote(Request("c", (1,), SamplingParams(), (EOS,))) is not None

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from pdserve.settings import ENV_PREFIX, ServeSettings
+from pdserve.launch.settings import ENV_PREFIX, ServeSettings
 
 FIELDS = dataclasses.fields(ServeSettings)
 FIELD_NAMES = [f.name for f in FIELDS]

@@ -12,9 +12,11 @@ import pytest
 from pdserve.bench import metrics
 from pdserve.bench.metrics import SLO
 from pdserve.planner import cli
+from pdserve.planner.evaluation import evaluate
 from pdserve.planner.perf_model import PerfModel, fit_decode
 from pdserve.planner.policy import PlannerPolicy
-from pdserve.planner.simulator import ReplicaPoint, SimConfig, evaluate, simulate
+from pdserve.planner.sim_fleet import ReplicaPoint
+from pdserve.planner.simulator import SimConfig, simulate
 from pdserve.planner.traces import (
     TraceRequest,
     bursty_trace,

@@ -6,6 +6,7 @@ A command is {"op": ..., ...}; every answer is one JSON line. No pickle crosses 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -34,7 +35,8 @@ def serve_prefill(cfg: dict) -> None:
     worker = PrefillWorker(engine_config(cfg["model_dir"]), GlooConnector(source), MODEL_NAME)
     die_after = cfg.get("die_after_layer_pushes")
     if die_after is not None:  # fault injection: the process dies in the middle of a push
-        push, count = worker.sender.push_layer, [0]
+        sender = worker.connector.sender
+        push, count = sender.push_layer, [0]
 
         def push_then_die(layer, plan):
             count[0] += 1
@@ -42,7 +44,7 @@ def serve_prefill(cfg: dict) -> None:
                 os._exit(17)
             return push(layer, plan)
 
-        worker.sender.push_layer = push_then_die
+        sender.push_layer = push_then_die
     futures = {}
     answer(ready=True)
     for line in sys.stdin:
@@ -58,7 +60,7 @@ def serve_prefill(cfg: dict) -> None:
             except Exception as exc:
                 answer(error=str(exc))
         elif cmd["op"] == "stats":
-            answer(**worker.stats())
+            answer(**dataclasses.asdict(worker.stats()))
         elif cmd["op"] == "close":
             worker.close()
             answer(closed=True)
@@ -99,7 +101,7 @@ def serve_decode(cfg: dict) -> None:
             tokens, last = streams.collect(cmd["id"], timeout=120)
             answer(tokens=tokens, finish_reason=last.finish_reason, error=last.error)
         elif cmd["op"] == "stats":
-            answer(**worker.stats())
+            answer(**dataclasses.asdict(worker.stats()))
         elif cmd["op"] == "close":
             worker.close()
             answer(closed=True)

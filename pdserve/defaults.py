@@ -1,0 +1,18 @@
+"""Default addresses and ports, defined once: the settings, the clients, the bench and the
+deploy checks all start from these (each stays overridable where it is used).
+
+Everything binds loopback unless told otherwise: an embedded deployment is reachable from
+this machine only, and exposing it is a decision (`--host`, `--worker-host`).
+"""
+
+from __future__ import annotations
+
+HOST = "127.0.0.1"
+LOOPBACK_HOSTS = (HOST, "localhost", "::1")  # addresses no other machine can reach
+ROUTER_PORT = 50051  # gRPC: pdserve.v1.Inference, health, reflection
+METRICS_PORT = 9400  # Prometheus text over HTTP
+# The bundled redis-server takes a free port: never a system Redis's 6379 by accident.
+REDIS_PORT = 0
+
+ROUTER_ADDRESS = f"{HOST}:{ROUTER_PORT}"
+METRICS_URL = f"http://{HOST}:{METRICS_PORT}/metrics"

@@ -1,0 +1,51 @@
+"""The Ray runtime of this process: join a cluster, or start a local head bound to loopback.
+
+Nothing here places or watches workers (`pool`, `supervisor`); requests never go through Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import ray
+
+from pdserve import defaults
+
+
+def start_ray(address: str | None, resources: dict[str, float], num_cpus: int | None,
+              tmpdir: str | None) -> None:
+    """Join the Ray cluster at `address`, or (None) start a local head on loopback only.
+
+    `resources` and `num_cpus` describe the local head; a joined cluster has its own.
+    """
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if tmpdir is not None:
+        os.environ["RAY_TMPDIR"] = tmpdir  # its sessions, sockets and logs; read by children too
+    if address is None:
+        with _loopback_stays_loopback():
+            ray.init(address="local", _node_ip_address=defaults.HOST, include_dashboard=False,
+                     resources=dict(resources), num_cpus=num_cpus)
+        return
+    host = address.rsplit(":", 1)[0].strip("[]")
+    loopback = host in defaults.LOOPBACK_HOSTS
+    with _loopback_stays_loopback() if loopback else contextlib.nullcontext():
+        ray.init(address=address)
+
+
+def stop_ray() -> None:
+    """Disconnect; a local head started by `start_ray` stops with it (nothing else does)."""
+    ray.shutdown()
+
+
+@contextlib.contextmanager
+def _loopback_stays_loopback():
+    # ray.init rewrites a loopback address to the host's public IP (for other nodes to reach);
+    # a head bound to 127.0.0.1 is only reachable as 127.0.0.1, so keep it for this call.
+    from ray._private import ray_constants
+
+    saved, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved

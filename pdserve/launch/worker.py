@@ -1,0 +1,176 @@
+"""Worker: one worker of the pool as Ray holds it, its actors and (decode) placement group.
+
+A prefill worker is one actor, placed by the `prefill` resource. A decode worker is a TP
+group: one actor per rank in one STRICT_PACK placement group whose bundle 0 holds the
+`decode` resource. Ray never restarts an actor itself (max_restarts=0): a TP group only works
+whole, so a failed worker is killed and launched again, every rank, under the same worker_id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from pdserve.engine.worker_spec import WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+PREFILL, DECODE = "prefill", "decode"  # the roles, and the custom resources that place them
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    role: str  # "prefill" | "decode"
+    address: str  # its gRPC service (rank 0's for a decode group)
+    tp_size: int = 1
+
+
+@functools.cache
+def _actor_class(role: str) -> Any:
+    # imported on first use: a process that starts no worker needs no torch
+    if role == PREFILL:
+        from pdserve.prefill_worker.actor import PrefillActor as cls
+    else:
+        from pdserve.decode_worker.actor import DecodeRankActor as cls
+    return ray.remote(cls)
+
+
+async def _await(ref: Any) -> Any:
+    return await ref
+
+
+async def gather_refs(refs: Sequence[Any], timeout_s: float) -> list[Any]:
+    """Every ref's value; raises the first failure, but only once every ref has settled."""
+    gathered = asyncio.gather(*map(_await, refs), return_exceptions=True)
+    # when the wait is cancelled or times out, the cancelled gather's outcome is nobody's news
+    gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
+    values = await asyncio.wait_for(gathered, timeout_s)
+    for value in values:
+        if isinstance(value, BaseException):
+            raise value
+    return values
+
+
+class Worker:
+    """The actors of one worker; `info` is its WorkerInfo while it serves, else None."""
+
+    def __init__(self, spec: WorkerSpec, role: str, tp_size: int, cpus: float,
+                 gpus: bool) -> None:
+        self.spec, self.role, self.tp_size = spec, role, tp_size
+        self.cpus, self.gpus = cpus, gpus  # per actor (each decode rank is one)
+        self.info: WorkerInfo | None = None
+        self._actors: list[Any] = []  # rank order
+        self._pg: PlacementGroup | None = None
+        self._closed = False
+        self._lock = threading.Lock()  # actors, pg and closed: relaunches run in threads
+
+    @property
+    def worker_id(self) -> str:
+        return self.spec.worker_id
+
+    @property
+    def closed(self) -> bool:
+        """Retired (the pool shut down or removed it): it is never launched again."""
+        return self._closed
+
+    def bundle(self, rank: int) -> dict[str, float]:
+        """What one actor of the worker takes; rank 0 also takes the role's resource."""
+        bundle = {"CPU": self.cpus} | ({"GPU": 1} if self.gpus else {})
+        return bundle | ({self.role: 1} if rank == 0 else {})
+
+    def group_bundle(self) -> Counter[str]:
+        """What a decode group needs on one node (empty for a prefill worker)."""
+        group: Counter[str] = Counter()
+        for rank in range(self.tp_size if self.role == DECODE else 0):
+            group.update(self.bundle(rank))
+        return group
+
+    def launch(self) -> list[Any]:
+        """Create the actors; refs whose first value is the worker's address once it serves."""
+        opts = {"max_restarts": 0, "max_task_retries": 0, "num_cpus": self.cpus,
+                "num_gpus": 1 if self.gpus else 0}
+        cls, spec = _actor_class(self.role), self.spec.to_dict()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"worker {self.worker_id} is retired (pool shut down or "
+                                   "worker removed)")
+            if self.role == PREFILL:
+                self._actors = [cls.options(resources={PREFILL: 1}, max_concurrency=2,
+                                            **opts).remote(spec)]
+                return [self._actors[0].address.remote()]
+            if self._pg is None or placement_group_table(self._pg).get("state") in (
+                    None, "REMOVED"):
+                self._pg = placement_group([self.bundle(r) for r in range(self.tp_size)],
+                                           strategy="STRICT_PACK")
+            self._actors = [
+                cls.options(
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, r),
+                    resources={DECODE: 1} if r == 0 else {}, max_concurrency=4, **opts,
+                ).remote(spec, r, self.tp_size)
+                for r in range(self.tp_size)
+            ]
+            rendezvous = self._actors[0].rendezvous.remote()
+            return [a.start.remote(rendezvous) for a in self._actors]
+
+    def serving(self, address: str) -> WorkerInfo:
+        """Record that the launched actors serve at `address`."""
+        self.info = WorkerInfo(self.worker_id, self.role, address, self.tp_size)
+        return self.info
+
+    async def start(self, timeout_s: float) -> WorkerInfo:
+        """Launch (from a thread: Ray's calls block) and wait until the worker serves."""
+        refs = await asyncio.to_thread(self.launch)
+        address, *_ = await gather_refs(refs, timeout_s)
+        return self.serving(address)
+
+    def not_serving(self) -> None:
+        """Record that the worker is down (until a relaunch serves)."""
+        self.info = None
+
+    def calls(self, method: str) -> list[Any]:
+        """One call of an actor method on every rank; their refs."""
+        return [getattr(actor, method).remote() for actor in self._actors]
+
+    def describe(self) -> str:
+        """What the worker waits for, for a start that times out."""
+        if self.role == PREFILL:
+            return f"{self.worker_id} needs {self.bundle(0)}"
+        state = placement_group_table(self._pg).get("state") if self._pg is not None else None
+        bundles = [self.bundle(r) for r in range(self.tp_size)]
+        return f"{self.worker_id} needs one node for {bundles} (placement group {state})"
+
+    def close(self) -> None:
+        """Retire the worker: a launch from now on fails (one under way finishes first)."""
+        with self._lock:
+            self._closed = True
+
+    def kill(self, remove_pg: bool) -> None:
+        """Kill every actor (and free the placement group unless it is kept for a relaunch)."""
+        with self._lock:
+            actors, self._actors = self._actors, []
+            pg = self._pg
+            if remove_pg:
+                self._pg = None
+        for actor in actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        if remove_pg and pg is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
