@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from pdserve.bench import arrivals, metrics, report, workloads
-from pdserve.bench.runner import run_jobs
+from pdserve.bench.runner import grpc_send, run_jobs
 from pdserve.client import AsyncClient
 from pdserve.launch.service import Service
 from pdserve.launch.settings import ServeSettings
@@ -70,11 +70,12 @@ async def run_mode(mode: str, args, rates: list[float]) -> dict:
             for name in args.workloads.split(","):
                 n_in, n_out, slo_text = WORKLOADS[name]
                 warm = jobs(n_in, n_out, 2, vocab, 10**6 + args.seed)
-                await run_jobs(client, warm, [0.0, 0.0], progress=False)
+                await run_jobs(grpc_send(client), warm, [0.0, 0.0], progress=False)
                 for i, rate in enumerate(rates):  # the same prompts in both modes
                     batch = jobs(n_in, n_out, args.num_requests, vocab, args.seed * 1000 + i)
                     times = arrivals.poisson_times(len(batch), rate, 1.0, args.seed)
-                    records, duration = await run_jobs(client, batch, times, progress=False)
+                    records, duration = await run_jobs(grpc_send(client), batch, times,
+                                                       progress=False)
                     summary = metrics.summarize(records, duration, metrics.parse_slo(slo_text))
                     results[(name, rate)] = (summary, records)
                     print(f"{mode:>13} {name:>13} {rate:>5g} req/s: goodput "

@@ -96,7 +96,8 @@ async def _up(settings: ServeSettings) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         await service.start()
-        print(f"pdserve is serving {settings.model} on {service.address} "
+        http = f", OpenAI API: {service.http_url}/v1" if service.http_url else ""
+        print(f"pdserve is serving {settings.model} on {service.address}{http} "
               f"(metrics: http://{settings.host}:{service.metrics_port}/metrics); "
               "Ctrl-C stops it", flush=True)
         await stop.wait()

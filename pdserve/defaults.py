@@ -11,6 +11,8 @@ HOST = "127.0.0.1"
 LOOPBACK_HOSTS = (HOST, "localhost", "::1")  # addresses no other machine can reach
 ROUTER_PORT = 50051  # gRPC: pdserve.v1.Inference, health, reflection
 METRICS_PORT = 9400  # Prometheus text over HTTP
+HTTP_PORT = 8000  # the OpenAI-compatible API (vLLM's default port too)
+HTTP_TIMEOUT_S = 600.0  # the longest an HTTP request may run; a client's `timeout` is capped
 # The bundled redis-server takes a free port: never a system Redis's 6379 by accident.
 REDIS_PORT = 0
 

@@ -163,11 +163,14 @@ class RouterServer:
             except Exception:  # never let a gauge update take the health loop down
                 logger.exception("router maintenance failed")
 
+    def can_serve(self) -> bool:
+        """At least one decode and (unless colocated) one prefill worker are up."""
+        up = {c.role for c in self.router.workers() if c.up}
+        return ({"decode"} if self.router.config.colocated else {"prefill", "decode"}) <= up
+
     async def _refresh(self) -> None:
         router, metrics = self.router, self.router.metrics
-        up = {c.role for c in router.workers() if c.up}
-        needed = {"decode"} if router.config.colocated else {"prefill", "decode"}
-        serving = SERVING if needed <= up else NOT_SERVING
+        serving = SERVING if self.can_serve() else NOT_SERVING
         for name in ("", SERVICE):
             await self.health.set(name, serving)
         redis_up = False

@@ -16,6 +16,7 @@ from google.protobuf.message import DecodeError
 from pdserve.engine.config import load_model_config
 from pdserve.engine.input_processor import chat_prompt, check_prompt_length, tokenize_prompt
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.engine.wire import sampling_from_proto
 from pdserve.proto import pdserve_pb2, raw_pb2
 
@@ -40,10 +41,8 @@ class ModelContext:
     @classmethod
     def load(cls, path: str, name: str, dtype: str = "float32",
              max_model_len: int | None = None) -> ModelContext:
-        from transformers import AutoTokenizer
-
         config = load_model_config(path, dtype, max_model_len)
-        return cls(name, AutoTokenizer.from_pretrained(path), config.vocab_size,
+        return cls(name, load_tokenizer(path), config.vocab_size,
                    config.max_model_len, dtype, config.eos_token_ids)
 
 

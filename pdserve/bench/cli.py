@@ -3,6 +3,7 @@
     pdserve bench --workload sharegpt --num-requests 200 --rate 4 --slo ttft=500,tpot=50
     pdserve bench --workload grid --input-lens 128,1024 --output-lens 16,256 --rates 1,2,4,8
     pdserve bench --workload sessions --num-sessions 16 --turns 4 --concurrency 8
+    pdserve bench --backend openai --base-url http://127.0.0.1:8000/v1   # any OpenAI server
 
 Arrivals: Poisson at `--rate` (gamma gaps with `--burstiness`; inf = all at once), a sweep of
 rates (`--rates`), or a fixed `--concurrency` (closed loop). Writes `--json` and `--png`. When
@@ -14,13 +15,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import os
 import urllib.request
+from collections.abc import AsyncIterator
 
 from pdserve import defaults
 from pdserve.bench import arrivals, metrics, report, workloads
-from pdserve.bench.runner import Job, run_jobs
+from pdserve.bench.runner import Job, Send, grpc_send, run_jobs
 from pdserve.router.metrics_text import quantile_between
 
 ROUTER_HISTOGRAMS = {"ttft": "pdserve_time_to_first_token_seconds",
@@ -30,10 +33,19 @@ ROUTER_HISTOGRAMS = {"ttft": "pdserve_time_to_first_token_seconds",
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark a running service", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--address", default=defaults.ROUTER_ADDRESS)
+    p.add_argument("--backend", choices=["grpc", "openai"], default="grpc",
+                   help="pdserve's gRPC API, or any OpenAI-compatible server's /v1/completions")
+    p.add_argument("--address", default=defaults.ROUTER_ADDRESS, help="grpc: the router")
+    p.add_argument("--base-url", default=f"http://{defaults.HOST}:{defaults.HTTP_PORT}/v1",
+                   help="openai: the API's base URL")
+    p.add_argument("--model", default=None, help="openai: the model to ask for (default: the "
+                                                 "first the server lists)")
+    p.add_argument("--tokenizer", default="smollm2-135m",
+                   help="openai: the served model's tokenizer (a directory or a bundled name): "
+                        "its vocabulary bounds the random prompts")
     p.add_argument("--api-token", default=os.environ.get("PDSERVE_API_TOKEN"),
                    help="the router's API token (env PDSERVE_API_TOKEN)")
-    p.add_argument("--metrics-url", default=defaults.METRICS_URL,
+    p.add_argument("--metrics-url", default=None,
                    help="the router's Prometheus endpoint ('' to skip the comparison)")
     p.add_argument("--workload", choices=["sharegpt", "grid", "sessions"], default="sharegpt")
     p.add_argument("--num-requests", type=int, default=100, help="sharegpt: requests")
@@ -75,20 +87,18 @@ def make_jobs(args: argparse.Namespace, vocab_size: int, seed: int) -> list[Job]
 
 
 async def _bench(args: argparse.Namespace) -> int:
-    from pdserve.client import AsyncClient
-
     slo = metrics.parse_slo(args.slo) if args.slo else None
     rates = [float(r) for r in args.rates.split(",") if r] or [args.rate]
-    async with AsyncClient(args.address, api_token=args.api_token) as client:
-        await client.wait_ready(60)
-        info = await client.model_info()
+    if args.metrics_url is None:  # the router's own histograms, beside pdserve's gRPC API
+        args.metrics_url = defaults.METRICS_URL if args.backend == "grpc" else ""
+    async with _backend(args) as (send, vocab_size):
         runs, sweep, comparisons = [], [], []
         for i, rate in enumerate(rates):
             # each rate gets fresh prompts of the same distribution: no cache hits across runs
-            jobs = make_jobs(args, info.vocab_size, args.seed + i)
+            jobs = make_jobs(args, vocab_size, args.seed + i)
             times = arrivals.poisson_times(len(jobs), rate, args.burstiness, args.seed)
             before = _scrape(args.metrics_url)
-            records, duration = await run_jobs(client, jobs, times, args.concurrency,
+            records, duration = await run_jobs(send, jobs, times, args.concurrency,
                                                args.temperature, args.timeout,
                                                not args.no_progress)
             summary = metrics.summarize(records, duration, slo)
@@ -110,6 +120,27 @@ async def _bench(args: argparse.Namespace) -> int:
         report.plot(args.png, runs, [("pdserve", sweep)] if len(rates) > 1 else None)
         print(f"wrote {args.png}")
     return 0
+
+
+@contextlib.asynccontextmanager
+async def _backend(args: argparse.Namespace) -> AsyncIterator[tuple[Send, int]]:
+    """The turn sender for `--backend`, and the vocabulary size prompts are drawn from."""
+    if args.backend == "openai":
+        from pdserve.bench.openai_backend import OpenAIBackend
+        from pdserve.engine.default_model import resolve_model
+        from pdserve.engine.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(resolve_model(args.tokenizer))
+        async with OpenAIBackend(args.base_url, tokenizer, args.api_token, args.model) as api:
+            served = await api.wait_ready(60)
+            api.model = served.name
+            yield api.send, served.vocab_size
+        return
+    from pdserve.client import AsyncClient
+
+    async with AsyncClient(args.address, api_token=args.api_token) as client:
+        await client.wait_ready(60)
+        yield grpc_send(client), (await client.model_info()).vocab_size
 
 
 def _scrape(url: str) -> str | None:

@@ -5,13 +5,16 @@ one-turn job). Turn t's prompt is the conversation so far — every earlier prom
 followed by the turn's new tokens, sent with the job's session id, so later turns find their
 prefix cached. Jobs start at their send times (open loop: Poisson, fixed rate, or all at once)
 and at most `concurrency` run at a time (closed loop when every send time is 0).
+
+A `Send` carries one turn to the server and records its stream: `grpc_send(client)` for
+pdserve's own API, `OpenAIBackend.send` (bench/openai_backend.py) for any OpenAI server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from pdserve.bench.trace import RequestRecord
 from pdserve.bench.workloads import BenchRequest, turn_prompt
@@ -19,10 +22,13 @@ from pdserve.client import AsyncClient, PdserveError
 from pdserve.engine.sampling_params import SamplingParams
 
 Job = Sequence[BenchRequest]
+# (request_id, turn, prompt, t0, temperature, timeout_s) -> (record, output token ids)
+Send = Callable[[str, BenchRequest, list[int], float, float, float],
+                Awaitable[tuple[RequestRecord, list[int]]]]
 
 
 async def run_jobs(
-    client: AsyncClient,
+    send: Send,
     jobs: Sequence[Job],
     send_times: Sequence[float],
     concurrency: int | None = None,
@@ -44,8 +50,8 @@ async def run_jobs(
             history: list[int] = []
             for turn in turns:
                 prompt = turn_prompt(history, turn)
-                record, output = await _send(client, f"bench-{i}-{turn.turn}", turn, prompt,
-                                             start, temperature, timeout_s)
+                record, output = await send(f"bench-{i}-{turn.turn}", turn, prompt, start,
+                                            temperature, timeout_s)
                 records.append(record)
                 bar.update(1)
                 if record.error is not None:
@@ -57,33 +63,38 @@ async def run_jobs(
     return records, time.perf_counter() - start
 
 
-async def _send(client: AsyncClient, request_id: str, turn: BenchRequest, prompt: list[int],
-                t0: float, temperature: float,
-                timeout_s: float) -> tuple[RequestRecord, list[int]]:
-    params = SamplingParams(temperature=temperature, max_tokens=turn.output_len,
-                            ignore_eos=True, seed=None)
-    times: list[float] = []
-    counts: list[int] = []
-    output: list[int] = []
-    error, cached = None, 0
-    sent = time.perf_counter() - t0
-    try:
-        async for chunk in client.generate(prompt, sampling=params, session_id=turn.session_id,
-                                           request_id=request_id, timeout=timeout_s):
-            if chunk.token_ids:
-                times.append(time.perf_counter() - t0)
-                counts.append(len(chunk.token_ids))
-                output.extend(chunk.token_ids)
-            if chunk.usage is not None:
-                cached = chunk.usage.cached_tokens
-    except PdserveError as exc:
-        error = exc.code.name
-    record = RequestRecord(
-        request_id=request_id, start=sent, end=time.perf_counter() - t0,
-        chunk_times=tuple(times), chunk_tokens=tuple(counts), num_prompt_tokens=len(prompt),
-        error=error, cached_tokens=cached, session_id=turn.session_id,
-    )
-    return record, output
+def grpc_send(client: AsyncClient) -> Send:
+    """Send turns over pdserve's gRPC API (token ids and per-step chunks, exactly)."""
+
+    async def send(request_id: str, turn: BenchRequest, prompt: list[int], t0: float,
+                   temperature: float, timeout_s: float) -> tuple[RequestRecord, list[int]]:
+        params = SamplingParams(temperature=temperature, max_tokens=turn.output_len,
+                                ignore_eos=True, seed=None)
+        times: list[float] = []
+        counts: list[int] = []
+        output: list[int] = []
+        error, cached = None, 0
+        sent = time.perf_counter() - t0
+        try:
+            async for chunk in client.generate(prompt, sampling=params,
+                                               session_id=turn.session_id,
+                                               request_id=request_id, timeout=timeout_s):
+                if chunk.token_ids:
+                    times.append(time.perf_counter() - t0)
+                    counts.append(len(chunk.token_ids))
+                    output.extend(chunk.token_ids)
+                if chunk.usage is not None:
+                    cached = chunk.usage.cached_tokens
+        except PdserveError as exc:
+            error = exc.code.name
+        record = RequestRecord(
+            request_id=request_id, start=sent, end=time.perf_counter() - t0,
+            chunk_times=tuple(times), chunk_tokens=tuple(counts), num_prompt_tokens=len(prompt),
+            error=error, cached_tokens=cached, session_id=turn.session_id,
+        )
+        return record, output
+
+    return send
 
 
 def _progress_bar(total: int, enabled: bool):

@@ -29,6 +29,7 @@ class Service:
         self.pool = None
         self.store = None
         self.router_server = None
+        self.http = None  # the OpenAI-compatible front, when http_port is set
         self.metrics = None
         self.metrics_port: int | None = None
         self._supervisor: asyncio.Task | None = None
@@ -47,6 +48,11 @@ class Service:
     def address(self) -> str:
         return self.router_server.address
 
+    @property
+    def http_url(self) -> str | None:
+        """Base URL of the OpenAI API (`.../v1` is under it), or None when it is off."""
+        return None if self.http is None else self.http.url
+
     async def start(self) -> None:
         from pdserve.engine.default_model import resolve_model
 
@@ -64,6 +70,8 @@ class Service:
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+        if self.http is not None:
+            await self.http.stop()
         if self.router_server is not None:
             await self.router_server.stop()
         if self.metrics is not None:
@@ -182,7 +190,19 @@ class Service:
         self.metrics_port = self.metrics.start_http(s.host, s.metrics_port)
         await router.wait_ready(timeout=60)
         await self.router_server.start()
+        if s.http_port:
+            await self._start_http(router)
         self._start_supervision(router)
+
+    async def _start_http(self, router) -> None:
+        """The OpenAI API on the router's own event loop, calling it in-process."""
+        from pdserve.router.openai.app import OpenAIApp
+        from pdserve.router.openai.server import HTTPServer
+
+        s = self.settings
+        app = OpenAIApp(router, self.router_server.can_serve, s.api_token, s.http_timeout_s)
+        self.http = HTTPServer(app.app, s.host, s.http_port)
+        await self.http.start()
 
     def _start_supervision(self, router) -> None:
         """The pool's supervisor, telling the router of restarts; the live planner if set."""

@@ -65,6 +65,9 @@ class ServeSettings:
     port: int = _opt(defaults.ROUTER_PORT, "router gRPC port (0: any free port)")
     metrics_port: int = _opt(defaults.METRICS_PORT,
                              "Prometheus metrics HTTP port (0: any free port)")
+    http_port: int = _opt(defaults.HTTP_PORT, "OpenAI-compatible HTTP API port (0: off)")
+    http_timeout_s: float = _opt(defaults.HTTP_TIMEOUT_S,
+                                 "longest an HTTP request may run (caps a client's timeout)")
     max_inflight_requests: int = _opt(256, "requests dispatched to workers at once")
     max_queued_requests: int = _opt(1024, "requests waiting for admission before refusing")
     kv_transfer_timeout_s: float = _opt(30.0, "deadline of one prompt's prefill + KV transfer")
@@ -89,9 +92,11 @@ class ServeSettings:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.mode not in ("disaggregated", "colocated"):
             raise ValueError(f"mode must be disaggregated or colocated, got {self.mode!r}")
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "http_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        if not 0 < self.http_timeout_s < math.inf:
+            raise ValueError(f"http_timeout_s must be a positive number, got {self.http_timeout_s}")
         if not 0 < self.kv_transfer_timeout_s < math.inf:
             raise ValueError(
                 f"kv_transfer_timeout_s must be a positive number, got {self.kv_transfer_timeout_s}"

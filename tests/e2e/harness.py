@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ def tiny_settings(model_dir, ray_address: str, **overrides) -> ServeSettings:
     base = ServeSettings(
         model=str(model_dir), max_model_len=512, num_kv_blocks=256, max_num_seqs=32,
         max_num_batched_tokens=512, prefill_threads=1, decode_threads=1, port=0,
-        metrics_port=0, ray_address=ray_address, kv_transfer_timeout_s=20.0,
+        metrics_port=0, http_port=0, ray_address=ray_address, kv_transfer_timeout_s=20.0,
     )
     return replace(base, **overrides)
 
@@ -58,6 +59,10 @@ class ServiceThread:
         return self.service.address
 
     @property
+    def http_url(self) -> str | None:
+        return self.service.http_url
+
+    @property
     def router(self):
         return self.service.router_server.router
 
@@ -70,6 +75,13 @@ def running(settings: ServeSettings) -> Iterator[ServiceThread]:
         yield service
     finally:
         service.stop()
+
+
+def free_port() -> int:
+    """A port free now on 127.0.0.1 (for settings where 0 means off, not any)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_until(predicate, timeout: float, what: str):

@@ -12,15 +12,20 @@ import tempfile
 import threading
 import time
 
+import httpx
 import psutil
+
+from tests.e2e.harness import free_port
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 
 
 def test_up_generate_chat_then_ctrl_c_stops_everything(tiny_llama_dir):
     tmp = tempfile.mkdtemp(prefix="pdray", dir="/tmp")
+    http_port = free_port()
     env = {**os.environ, "RAY_TMPDIR": tmp, "PDSERVE_PORT": "0", "PDSERVE_METRICS_PORT": "0",
-           "PDSERVE_NUM_KV_BLOCKS": "128", "PDSERVE_MAX_MODEL_LEN": "512"}
+           "PDSERVE_HTTP_PORT": str(http_port), "PDSERVE_NUM_KV_BLOCKS": "128",
+           "PDSERVE_MAX_MODEL_LEN": "512"}
     config = os.path.join(tmp, "pdserve.yaml")
     with open(config, "w") as f:  # the config-file layer, under the env and flag layers
         f.write("prefill_threads: 1\ndecode_threads: 1\nmax_num_seqs: 8\n")
@@ -34,6 +39,10 @@ def test_up_generate_chat_then_ctrl_c_stops_everything(tiny_llama_dir):
         threading.Thread(target=server.stdout.read, daemon=True).start()  # keep draining
         children = psutil.Process(server.pid).children(recursive=True)
         assert any("redis-server" in " ".join(c.cmdline()) for c in children), log
+        openai_url = f"http://127.0.0.1:{http_port}/v1"
+        assert f"OpenAI API: {openai_url}" in log
+        models = httpx.get(f"{openai_url}/models", timeout=30).json()["data"]
+        assert [m["id"] for m in models] == [tiny_llama_dir.name]
         reply = subprocess.run(
             [*PDSERVE, "generate", "Hello there", "--address", address, "--max-tokens", "5"],
             env=env, capture_output=True, text=True, timeout=120)
@@ -65,7 +74,7 @@ def wait_for_address(server: subprocess.Popen, timeout: float) -> tuple[str, str
         if not line and server.poll() is not None:
             raise AssertionError("pdserve up exited:\n" + "".join(lines))
         lines.append(line)
-        match = re.search(r"serving \S+ on (127\.0\.0\.1:\d+)", line)
+        match = re.search(r"pdserve is serving \S+ on (127\.0\.0\.1:\d+)", line)
         if match:
             return match.group(1), "".join(lines)
     raise AssertionError("pdserve up did not come up:\n" + "".join(lines))

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from pdserve.bench import arrivals, workloads
-from pdserve.bench.runner import run_jobs
+from pdserve.bench.runner import grpc_send, run_jobs
 from pdserve.client import AsyncClient
 from pdserve.planner.perf_model import PerfModel
 from pdserve.router.metrics_text import sample_value
@@ -60,7 +60,7 @@ def test_load_step_scales_prefill_up_then_back_down(service, caplog):
 
     async def load():
         async with AsyncClient(service.address, timeout=120) as client:
-            return await run_jobs(client, jobs, times, progress=False)
+            return await run_jobs(grpc_send(client), jobs, times, progress=False)
 
     started = time.monotonic()
     records, _ = asyncio.run(load())

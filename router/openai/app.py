@@ -1,0 +1,139 @@
+"""The OpenAI-compatible HTTP API of a router (Starlette), calling the router in-process.
+
+    GET  /v1/models               the served model
+    POST /v1/completions          text or token-id prompts (one or several), n choices each
+    POST /v1/chat/completions     messages, under the model's chat template
+    GET  /health                  liveness: 200 while the process serves HTTP
+    GET  /ready                   readiness: 200 when the router can serve, else 503
+    GET  /metrics                 the router's Prometheus metrics
+
+Validation is the gRPC front's (`router.validation.validate`), with its field names mapped to
+OpenAI's parameters. Session affinity: the `X-Session-Id` header or a `session_id` body field.
+With an API token set, /v1/* needs `Authorization: Bearer <token>` (the rest stays open, as
+probes and scrapers need). A client-given `timeout` (seconds) is capped by the server's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from pdserve.router.openai.errors import HTTPError, error_body
+from pdserve.router.openai.generation import GenerationResponse
+from pdserve.router.openai.protocol import (
+    BadParameter,
+    OpenAIRequest,
+    parse_chat,
+    parse_completion,
+)
+from pdserve.router.openai.responses import Choices, TokenTexts
+from pdserve.router.router import Router
+from pdserve.router.validation import InvalidArgument, validate
+
+MAX_BODY_BYTES = 8 << 20
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class OpenAIApp:
+    def __init__(self, router: Router, ready: Callable[[], bool], api_token: str | None = None,
+                 max_timeout_s: float = DEFAULT_TIMEOUT_S,
+                 max_body_bytes: int = MAX_BODY_BYTES) -> None:
+        self.router, self.ready = router, ready
+        self.api_token = api_token.encode() if api_token else None
+        self.max_timeout_s, self.max_body_bytes = max_timeout_s, max_body_bytes
+        self.texts = TokenTexts(router.model.tokenizer)
+        self.created = int(time.time())
+        self.app = Starlette(routes=[
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/ready", self.readiness, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ], exception_handlers={HTTPError: _http_error})
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        model = self.router.model
+        return JSONResponse({"object": "list", "data": [{
+            "id": model.name, "object": "model", "created": self.created,
+            "owned_by": "pdserve", "root": model.name, "max_model_len": model.max_model_len}]})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, parse_completion)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, parse_chat)
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def readiness(self, request: Request) -> Response:
+        ready = self.ready()
+        return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.router.metrics.registry),
+                        media_type=CONTENT_TYPE_LATEST)
+
+    async def _generate(self, request: Request, parse: Callable[..., OpenAIRequest]) -> Any:
+        self._authorize(request)
+        received = time.monotonic()
+        try:
+            parsed = parse(await self._body(request), request.headers.get("x-session-id", ""))
+            model = self.router.model
+            if parsed.model and parsed.model != model.name:
+                raise HTTPError(404, f"model {parsed.model!r} is not served here; this server "
+                                     f"serves {model.name!r}", "model")
+            valid = await asyncio.to_thread(self._validate, parsed)
+        except (InvalidArgument, HTTPError) as exc:
+            self.router.metrics.count_request("invalid")
+            status = exc.status if isinstance(exc, HTTPError) else 400
+            return JSONResponse(error_body(status, exc), status_code=status)
+        timeout = min(parsed.timeout_s or self.max_timeout_s, self.max_timeout_s)
+        choices = Choices(parsed, self.router.model.name, self.texts)
+        return GenerationResponse(
+            parsed, lambda: [self.router.generate(v, received) for v in valid], choices,
+            timeout, self.router.metrics.count_request)
+
+    def _validate(self, parsed: OpenAIRequest) -> list:
+        try:
+            return [validate(r, self.router.model) for r in parsed.requests]
+        except BadParameter:
+            raise
+        except InvalidArgument as exc:
+            raise BadParameter.from_router(exc, parsed.max_tokens_param,
+                                           parsed.prompt_param) from None
+
+    async def _body(self, request: Request) -> Any:
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                raise HTTPError(413, f"the request body is over {self.max_body_bytes} bytes")
+        try:
+            return json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BadParameter("body", f"the request body is not valid JSON: {exc}") from None
+
+    def _authorize(self, request: Request) -> None:
+        if self.api_token is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self.api_token):
+            raise HTTPError(401, "missing or invalid API key: send Authorization: Bearer <key>")
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPError)
+    return JSONResponse(error_body(exc.status, exc), status_code=exc.status)

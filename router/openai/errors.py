@@ -1,0 +1,59 @@
+"""Router exceptions -> HTTP statuses and OpenAI's error JSON.
+
+400 a bad parameter (named in `param`), 401 a missing or wrong API key, 404 an unknown model,
+413 a body over the limit, 429 the admission queue is full, 503 no worker can take the request
+(none up, none with KV room in time, or the one holding it died), 504 the deadline passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pdserve.router.admission import Overloaded
+from pdserve.router.openai.protocol import BadParameter
+from pdserve.router.placement import NoCapacity
+from pdserve.router.stream import WorkerFailed
+from pdserve.router.validation import InvalidArgument
+from pdserve.router.workers import WorkerLost
+
+TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+         404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+         500: "server_error", 503: "server_error", 504: "server_error"}
+CODES = {401: "invalid_api_key", 404: "model_not_found", 413: "request_too_large",
+         429: "overloaded", 503: "service_unavailable", 504: "timeout"}
+
+
+class HTTPError(Exception):
+    """An error answered before any generation starts (auth, model, body size)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+def status_of(exc: BaseException) -> tuple[int, str]:
+    """The HTTP status of an exception, and the request status the router's metrics count."""
+    if isinstance(exc, HTTPError):
+        return exc.status, "invalid"
+    if isinstance(exc, InvalidArgument):
+        return 400, "invalid"
+    if isinstance(exc, Overloaded):
+        return 429, "overloaded"
+    if isinstance(exc, NoCapacity):
+        return 503, "overloaded"
+    if isinstance(exc, (WorkerLost, WorkerFailed)):
+        return 503, "unavailable"
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+        return 504, "deadline"
+    return 500, "error"
+
+
+def error_body(status: int, exc: BaseException) -> dict[str, Any]:
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+        message = "the request's deadline passed before it finished"
+    else:
+        message = str(exc) or type(exc).__name__
+    param = exc.param if isinstance(exc, (BadParameter, HTTPError)) else None
+    return {"error": {"message": message, "type": TYPES.get(status, "server_error"),
+                      "param": param, "code": CODES.get(status)}}

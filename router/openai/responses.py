@@ -1,0 +1,160 @@
+"""The router's GenerateResponse messages -> OpenAI's JSON: whole answers and stream chunks.
+
+`Choices` follows every choice of one OpenAI request as its messages arrive and builds both
+shapes from them, so a streamed answer and a whole one carry the same text, tokens, logprobs
+and usage (usage counts each prompt once, whatever `n`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.proto import pdserve_pb2
+from pdserve.router.openai.protocol import OpenAIRequest
+
+
+class TokenTexts:
+    """Token id -> its text, as logprobs show it (decoded alone), cached."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    usage: pdserve_pb2.Usage | None = None
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # chat entries
+    completion_logprobs: dict[str, list] = field(default_factory=lambda: {
+        "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
+
+
+class Choices:
+    def __init__(self, request: OpenAIRequest, model: str, texts: TokenTexts) -> None:
+        self.request, self.model, self.texts = request, model, texts
+        self.created = int(time.time())
+        self.choices = [_Choice() for _ in request.requests]
+
+    # ---- one message in, the chunk it makes ----
+
+    def add(self, index: int, message: pdserve_pb2.GenerateResponse) -> dict[str, Any] | None:
+        """Record a message of choice `index`; the stream chunk for it (None: nothing new)."""
+        choice = self.choices[index]
+        offset = len(choice.text)
+        choice.text += message.text
+        choice.num_tokens += len(message.token_ids)
+        new_logprobs = self._logprobs(choice, message, offset)
+        if message.finish_reason:
+            choice.finish_reason = message.finish_reason
+            choice.stop_reason = self._stop_reason(index, message.stop_reason)
+            choice.usage = message.usage
+        if not (message.text or message.token_ids or message.finish_reason):
+            return None
+        return self._chunk([self._chunk_choice(index, message, new_logprobs)])
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        """Chat streams open each choice with the assistant role, as OpenAI's do."""
+        if not self.request.chat:
+            return []
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
+                for i in range(len(self.choices))]
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {**self._chunk([]), "usage": self.usage()}
+
+    # ---- the whole answer ----
+
+    def response(self) -> dict[str, Any]:
+        kind = "chat.completion" if self.request.chat else "text_completion"
+        choices = []
+        for i, c in enumerate(self.choices):
+            entry: dict[str, Any] = {"index": i, "finish_reason": c.finish_reason,
+                                     "stop_reason": c.stop_reason}
+            if self.request.chat:
+                entry["message"] = {"role": "assistant", "content": c.text}
+                entry["logprobs"] = ({"content": c.logprobs}
+                                     if self.request.logprobs is not None else None)
+            else:
+                entry["text"] = c.text
+                entry["logprobs"] = (c.completion_logprobs
+                                     if self.request.logprobs is not None else None)
+            choices.append(entry)
+        return {"id": self.request.response_id, "object": kind, "created": self.created,
+                "model": self.model, "choices": choices, "usage": self.usage()}
+
+    def usage(self) -> dict[str, Any]:
+        n = self.request.n
+        prompt = sum(c.usage.prompt_tokens for c in self.choices[::n] if c.usage)
+        cached = sum(c.usage.cached_tokens for c in self.choices[::n] if c.usage)
+        completion = sum(c.num_tokens for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    # ---- helpers ----
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.request.chat else "text_completion"
+        return {"id": self.request.response_id, "object": kind, "created": self.created,
+                "model": self.model, "choices": choices}
+
+    def _chunk_choice(self, index: int, message: pdserve_pb2.GenerateResponse,
+                      logprobs: Any) -> dict[str, Any]:
+        finish = message.finish_reason or None
+        entry: dict[str, Any] = {"index": index, "finish_reason": finish}
+        if finish:
+            entry["stop_reason"] = self._stop_reason(index, message.stop_reason)
+        if self.request.chat:
+            entry["delta"] = {"content": message.text} if message.text or not finish else {}
+        else:
+            entry["text"] = message.text
+        entry["logprobs"] = logprobs
+        return entry
+
+    def _logprobs(self, choice: _Choice, message: pdserve_pb2.GenerateResponse,
+                  offset: int) -> Any:
+        if self.request.logprobs is None:
+            return None
+        if self.request.chat:
+            entries = [self._chat_entry(lp) for lp in message.logprobs]
+            choice.logprobs.extend(entries)
+            return {"content": entries}
+        new = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp in message.logprobs:
+            token = self.texts(lp.token_id)
+            new["tokens"].append(token)
+            new["token_logprobs"].append(lp.logprob)
+            new["top_logprobs"].append({self.texts(t.token_id): t.logprob for t in lp.top})
+            new["text_offset"].append(offset)
+            offset += len(token)
+        for key, values in new.items():
+            choice.completion_logprobs[key].extend(values)
+        return new
+
+    def _chat_entry(self, lp: pdserve_pb2.TokenLogprob) -> dict[str, Any]:
+        token = self.texts(lp.token_id)
+        return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode()),
+                "top_logprobs": [{"token": (t := self.texts(top.token_id)),
+                                  "logprob": top.logprob, "bytes": list(t.encode())}
+                                 for top in lp.top]}
+
+    def _stop_reason(self, index: int, value: str) -> str | int | None:
+        """The stop string, or the stop token id (the router sends it as decimal text)."""
+        if not value:
+            return None
+        if value in self.request.requests[index].sampling.stop or not value.isdigit():
+            return value
+        return int(value)

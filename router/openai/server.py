@@ -1,0 +1,51 @@
+"""The HTTP server of the OpenAI API: uvicorn on the router's own event loop.
+
+It binds its socket itself (port 0 picks a free one; `port` reports it) and leaves signals to
+its owner: `pdserve up` and tests stop it with `stop()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+
+import uvicorn
+
+logger = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):  # the process owner handles SIGINT/SIGTERM, not uvicorn
+        yield
+
+
+class HTTPServer:
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.create_server((host, port), family=family)
+        self.port = self.socket.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=2)
+        self._server = _Server(config)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._server.serve(sockets=[self.socket]),
+                                         name="openai-http")
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+                raise RuntimeError("the HTTP server stopped during start-up")
+            await asyncio.sleep(0.01)
+        logger.info("OpenAI API on %s/v1", self.url)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._server.should_exit = True
+            await self._task
+            self._task = None
+        self.socket.close()
