@@ -73,8 +73,7 @@ def command(system: str, args: argparse.Namespace, model_dir: str, port: int) ->
         env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}")
         return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
                 model_dir, "--dtype", args.dtype, "--host",
-                "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
-                "--disable-log-requests"], env
+                "127.0.0.1", "--port", str(port), "--max-model-len", "2048"], env
     mode = (["--mode", "colocated", "--decode-workers", str(args.colocated_workers)]
             if system == "pdserve-colocated" else [])
     return [str(ROOT / ".venv" / "bin" / "pdserve"), "up", "--model", model_dir,
@@ -85,13 +84,13 @@ def command(system: str, args: argparse.Namespace, model_dir: str, port: int) ->
 
 
 @contextlib.contextmanager
-def server(argv: list[str], env: dict[str, str], log: Path) -> Iterator[None]:
+def server(argv: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen]:
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
-            yield
+            yield proc
         finally:
             proc.send_signal(signal.SIGINT)
             try:
@@ -101,10 +100,11 @@ def server(argv: list[str], env: dict[str, str], log: Path) -> Iterator[None]:
                 proc.wait()
 
 
-async def measure(url: str, tokenizer, args: argparse.Namespace) -> tuple:
+async def measure(url: str, tokenizer, args: argparse.Namespace,
+                  proc: subprocess.Popen) -> tuple:
     async with OpenAIBackend(url, tokenizer) as backend:
         started = time.monotonic()
-        backend.model = (await backend.wait_ready(600)).name
+        backend.model = (await backend.wait_ready(600, alive=lambda: proc.poll() is None)).name
         ready_s = time.monotonic() - started
         vocab = len(tokenizer)
         warm = [[r] for r in workloads.sharegpt_like(2, vocab, 10**6 + args.seed, 0.25)]
@@ -132,9 +132,9 @@ def main() -> int:
             continue
         port = free_port()
         argv, env = command(system, args, model_dir, port)
-        with server(argv, env, out / f"{system}.log"):
+        with server(argv, env, out / f"{system}.log") as proc:
             records, duration, ready_s = asyncio.run(
-                measure(f"http://127.0.0.1:{port}/v1", tokenizer, args))
+                measure(f"http://127.0.0.1:{port}/v1", tokenizer, args, proc))
         summary = metrics.summarize(records, duration, slo)
         results[system] = {"summary": summary.to_dict(), "ready_s": ready_s}
         runs.append((system, records))

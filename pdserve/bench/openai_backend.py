@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,10 +49,14 @@ class OpenAIBackend:
     async def __aexit__(self, *exc: object) -> None:
         await self.http.aclose()
 
-    async def wait_ready(self, timeout: float) -> ServedModel:
-        """Poll /models until the server answers; the model the bench will ask for."""
+    async def wait_ready(self, timeout: float,
+                         alive: Callable[[], bool] = lambda: True) -> ServedModel:
+        """Poll /models until the server answers (or `alive()` says it never will); the model
+        the bench will ask for."""
         end = time.monotonic() + timeout
         while True:
+            if not alive():
+                raise RuntimeError(f"the server behind {self.base_url} exited")
             try:
                 reply = await self.http.get(f"{self.base_url}/models", timeout=5)
                 if reply.status_code == 200:

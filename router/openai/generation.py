@@ -72,16 +72,19 @@ class GenerationResponse:
                  choices: Choices, timeout_s: float, on_done: Callable[[str], None]) -> None:
         self.request, self.open_streams, self.choices = request, open_streams, choices
         self.timeout_s, self.on_done = timeout_s, on_done
-        self.started = False
+        self.started = False  # the status line is sent
+        self.completed = False  # the last byte is sent
 
     async def __call__(self, scope: dict, receive: Callable, send: Send) -> None:
         work = asyncio.ensure_future(self._run(send))
         watch = asyncio.ensure_future(_disconnect(receive))
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
+        # The server reports a disconnect once the last byte is sent, too: only one before
+        # that is the client going away.
+        if not work.done() and not self.completed:
             logger.info("client of %s disconnected: cancelling", self.request.response_id)
-        for task in (work, watch):
-            task.cancel()
+            work.cancel()
+        watch.cancel()
         await asyncio.gather(work, watch, return_exceptions=True)
         if work.done() and not work.cancelled() and work.exception() is not None:
             raise work.exception()
@@ -109,7 +112,7 @@ class GenerationResponse:
     async def _whole(self, send: Send, streams: ChoiceStreams) -> None:
         while (item := await streams.next()) is not None:
             self.choices.add(*item)
-        await send_json(send, 200, self.choices.response())
+        await self._send_json(send, 200, self.choices.response())
 
     async def _stream(self, send: Send, streams: ChoiceStreams) -> None:
         item = await streams.next()  # errors before the first token keep their status
@@ -124,15 +127,23 @@ class GenerationResponse:
             item = await streams.next()
         if self.request.include_usage:
             await _event(send, self.choices.usage_chunk())
-        await _done(send)
+        await self._done(send)
 
     async def _fail(self, send: Send, code: int, exc: BaseException) -> None:
         body = error_body(code, exc)
         if not self.started:
-            await send_json(send, code, body)
+            await self._send_json(send, code, body)
             return
         await _event(send, body)
-        await _done(send)
+        await self._done(send)
+
+    async def _send_json(self, send: Send, status: int, body: dict[str, Any]) -> None:
+        self.completed = True  # set first: the disconnect that follows the send is no cancel
+        await send_json(send, status, body)
+
+    async def _done(self, send: Send) -> None:
+        self.completed = True
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
 
 async def send_json(send: Send, status: int, body: dict[str, Any]) -> None:
@@ -146,10 +157,6 @@ async def send_json(send: Send, status: int, body: dict[str, Any]) -> None:
 async def _event(send: Send, chunk: dict[str, Any]) -> None:
     data = b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
     await send({"type": "http.response.body", "body": data, "more_body": True})
-
-
-async def _done(send: Send) -> None:
-    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
 
 async def _disconnect(receive: Callable) -> None:

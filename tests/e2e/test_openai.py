@@ -14,6 +14,7 @@ import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.llm import LLM
+from pdserve.router.metrics_text import sample_value
 from pdserve.router.openai.app import OpenAIApp
 from pdserve.router.openai.server import HTTPServer
 from tests.e2e.harness import free_port, running, stats, tiny_settings, wait_until
@@ -285,3 +286,17 @@ def test_bench_drives_the_openai_api(http_url, tiny_llama_dir, tmp_path, capsys)
     assert all(sum(r["chunk_tokens"]) == 10 for r in records)  # usage tops up held-back text
     second_turns = [r for r in records if r["request_id"].endswith("-1")]
     assert sum(r["cached_tokens"] for r in second_turns) > 0  # sessions reached the router
+
+
+def test_finished_requests_count_as_ok_not_cancelled(client, model, http_url) -> None:
+    def counts() -> tuple[float, float]:
+        text = httpx.get(f"{http_url}/metrics").text
+        return tuple(sample_value(text, "pdserve_requests_total", {"status": s})
+                     for s in ("ok", "cancelled"))
+
+    ok, cancelled = counts()
+    client.completions.create(model=model, prompt=PROMPT, max_tokens=4)
+    list(client.completions.create(model=model, prompt=PROMPT, max_tokens=4, stream=True))
+    client.chat.completions.create(model=model, max_tokens=4,
+                                   messages=[{"role": "user", "content": "Hi"}])
+    assert counts() == (ok + 3, cancelled)
