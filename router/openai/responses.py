@@ -152,9 +152,11 @@ class Choices:
                                  for top in lp.top]}
 
     def _stop_reason(self, index: int, value: str) -> str | int | None:
-        """The stop string, or the stop token id (the router sends it as decimal text)."""
+        """The stop string or stop token id that ended the choice; None for EOS (as vLLM).
+        The router sends a token id as decimal text."""
+        sampling = self.request.requests[index].sampling
         if not value:
             return None
-        if value in self.request.requests[index].sampling.stop or not value.isdigit():
+        if value in sampling.stop or not value.isdigit():
             return value
-        return int(value)
+        return int(value) if int(value) in sampling.stop_token_ids else None

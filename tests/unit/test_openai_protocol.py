@@ -151,9 +151,12 @@ def test_stop_reason_is_a_string_or_a_token_id() -> None:
     choices = Choices(parsed, "m", FakeTexts())
     choices.add(0, message("", [], "stop", prompt_tokens=1, stop="12"))
     assert choices.response()["choices"][0]["stop_reason"] == "12"
+    choices = Choices(parse_completion({"prompt": "a", "stop_token_ids": [7]}), "m", FakeTexts())
+    choices.add(0, message("", [], "stop", prompt_tokens=1, stop="7"))
+    assert choices.response()["choices"][0]["stop_reason"] == 7
     choices = Choices(parse_completion({"prompt": "a"}), "m", FakeTexts())
-    choices.add(0, message("", [], "stop", prompt_tokens=1, stop="2"))
-    assert choices.response()["choices"][0]["stop_reason"] == 2
+    choices.add(0, message("", [], "stop", prompt_tokens=1, stop="2"))  # EOS
+    assert choices.response()["choices"][0]["stop_reason"] is None
 
 
 def test_chat_chunks_open_with_the_role() -> None:
