@@ -217,8 +217,10 @@ def test_2p3d_tp2(helm: Path, tmp_path: Path) -> None:
 
     settings = _settings(docs, tmp_path)
     assert (settings.prefill_workers, settings.decode_workers, settings.decode_tp) == (2, 3, 2)
-    assert (settings.port, settings.metrics_port) == (50051, 9400)
+    assert (settings.port, settings.metrics_port, settings.http_port) == (50051, 9400, 8000)
     assert settings.device == "cuda"
+    ports = {p["name"]: p["port"] for p in _one(docs, "Service")["spec"]["ports"]}
+    assert ports == {"grpc": 50051, "metrics": 9400, "http": 8000}
 
 
 def test_pods_and_groups_derive_from_one_place(helm: Path, tmp_path: Path) -> None:

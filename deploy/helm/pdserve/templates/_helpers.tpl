@@ -102,7 +102,7 @@ app.kubernetes.io/component: router
 {{/* The `pdserve up --config` YAML: .Values.pdserve plus the keys the chart owns. */}}
 {{- define "pdserve.settings" -}}
 {{- $s := deepCopy (.Values.pdserve | default dict) -}}
-{{- range $k := list "prefill_workers" "decode_workers" "decode_tp" "host" "port" "metrics_port" "ray_address" "worker_host" "redis_url" "redis_password" -}}
+{{- range $k := list "prefill_workers" "decode_workers" "decode_tp" "host" "port" "metrics_port" "http_port" "ray_address" "worker_host" "redis_url" "redis_password" -}}
 {{- if hasKey $s $k -}}
 {{- fail (printf "pdserve.%s is set by the chart: use prefill.*, decode.*, router.* or redis.* instead" $k) -}}
 {{- end -}}
@@ -112,6 +112,7 @@ app.kubernetes.io/component: router
 {{- $_ := set $s "decode_tp" (include "pdserve.decodeTp" . | int) -}}
 {{- $_ := set $s "port" (.Values.router.grpcPort | int) -}}
 {{- $_ := set $s "metrics_port" (.Values.router.metricsPort | int) -}}
+{{- $_ := set $s "http_port" (.Values.router.httpPort | int) -}}
 {{- toYaml $s -}}
 {{- end -}}
 
