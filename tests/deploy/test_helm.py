@@ -219,8 +219,6 @@ def test_2p3d_tp2(helm: Path, tmp_path: Path) -> None:
     assert (settings.prefill_workers, settings.decode_workers, settings.decode_tp) == (2, 3, 2)
     assert (settings.port, settings.metrics_port, settings.http_port) == (50051, 9400, 8000)
     assert settings.device == "cuda"
-    ports = {p["name"]: p["port"] for p in _one(docs, "Service")["spec"]["ports"]}
-    assert ports == {"grpc": 50051, "metrics": 9400, "http": 8000}
 
 
 def test_pods_and_groups_derive_from_one_place(helm: Path, tmp_path: Path) -> None:
@@ -267,8 +265,10 @@ def test_head_and_router(helm: Path) -> None:
 
     service = _one(docs, "Service")
     assert service["spec"]["type"] == "ClusterIP"
-    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"grpc": 50051,
-                                                                         "metrics": 9400}
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {
+        "grpc": 50051, "metrics": 9400, "http": 8000}
+    off = _render(helm, "--set", "router.httpPort=0")  # the OpenAI front off: no port for it
+    assert [p["name"] for p in _one(off, "Service")["spec"]["ports"]] == ["grpc", "metrics"]
 
 
 def test_redis_and_token_secrets(helm: Path) -> None:
