@@ -1,8 +1,8 @@
 """PrefixIndexPublisher: keeps this worker's set in the Redis prefix index equal to its cache.
 
-The index is one SET per worker, `{namespace}:prefix:{worker_id}`, of raw block hashes (see
-`router.store`). A daemon thread owns a synchronous Redis client and applies, in order, what
-the worker's loop thread hands it; the loop thread never waits on Redis.
+The index is one SET per worker, `{namespace}:prefix:{worker_id}`, of raw block hashes (the key
+schema: `pdserve.redis_keys`). A daemon thread owns a synchronous Redis client and applies,
+in order, what the worker's loop thread hands it; the loop thread never waits on Redis.
 
 Protocol (everything below runs on the thread that owns the BlockPool, so the event stream
 and the snapshots are cut from one consistent sequence):
