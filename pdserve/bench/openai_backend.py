@@ -97,6 +97,8 @@ class OpenAIBackend:
             chunk_times=tuple(times), chunk_tokens=tuple(counts), num_prompt_tokens=len(prompt),
             error=error, cached_tokens=cached, session_id=turn.session_id,
         )
+        if not turn.session_id:  # only a session's next turn needs the answer's tokens
+            return record, []
         output = self.tokenizer("".join(text), add_special_tokens=False).input_ids
         return record, list(output)
 

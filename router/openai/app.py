@@ -33,6 +33,7 @@ from pdserve.router.openai.generation import GenerationResponse
 from pdserve.router.openai.protocol import (
     BadParameter,
     OpenAIRequest,
+    choices,
     parse_chat,
     parse_completion,
 )
@@ -101,16 +102,16 @@ class OpenAIApp:
             status = exc.status if isinstance(exc, HTTPError) else 400
             return JSONResponse(error_body(status, exc), status_code=status)
         timeout = min(parsed.timeout_s or self.max_timeout_s, self.max_timeout_s)
-        choices = Choices(parsed, self.router.model.name, self.texts)
+        answer = Choices(parsed, self.router.model.name, self.texts)
         return GenerationResponse(
-            parsed, lambda: [self.router.generate(v, received) for v in valid], choices,
+            parsed, lambda: [self.router.generate(v, received) for v in valid], answer,
             timeout, self.router.metrics.count_request)
 
     def _validate(self, parsed: OpenAIRequest) -> list:
+        """Every choice's router request: each prompt validated and tokenized once."""
         try:
-            return [validate(r, self.router.model) for r in parsed.requests]
-        except BadParameter:
-            raise
+            return [choice for r in parsed.requests
+                    for choice in choices(validate(r, self.router.model), parsed.n)]
         except InvalidArgument as exc:
             raise BadParameter.from_router(exc, parsed.max_tokens_param,
                                            parsed.prompt_param) from None

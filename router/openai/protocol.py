@@ -5,9 +5,9 @@ mistyped value must not reach protobuf, which would raise a TypeError). The rang
 to the router's validation, the same that gRPC requests get; `BadParameter.from_router`
 translates its field names (`sampling.top_p`) back into OpenAI's (`top_p`).
 
-A request asking for `n` choices (of each prompt, for completions) becomes one router request
-per choice: `<id>-<prompt>-<choice>`. With a seed, choice i samples with seed + i, so the
-choices differ and the whole answer is reproducible.
+Each prompt becomes one router request, validated (and tokenized) once; `choices` then fans
+it out into `n` router requests, `<id>-<prompt>-<choice>`. With a seed, choice i samples with
+seed + i, so the choices differ and the whole answer is reproducible.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pdserve.proto import pdserve_pb2
-from pdserve.router.validation import InvalidArgument
+from pdserve.router.validation import InvalidArgument, ValidRequest
 
 MAX_N = 16
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
@@ -62,8 +62,8 @@ class OpenAIRequest:
     chat: bool
     response_id: str
     model: str
-    requests: tuple[pdserve_pb2.GenerateRequest, ...]  # prompt-major, then choice
-    n: int
+    requests: tuple[pdserve_pb2.GenerateRequest, ...]  # one per prompt
+    n: int  # choices per prompt
     stream: bool
     include_usage: bool
     logprobs: int | None  # top alternatives per token to return; None: no logprobs
@@ -121,18 +121,19 @@ def _request(body: Mapping[str, Any], chat: bool, bases: list[pdserve_pb2.Genera
     if timeout is not None and not timeout > 0:
         raise BadParameter("timeout", f"timeout must be > 0 seconds, got {timeout}")
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    requests = []
     for p, base in enumerate(bases):
-        for c in range(n):
-            request = pdserve_pb2.GenerateRequest()
-            request.CopyFrom(base)
-            request.request_id, request.model, request.session_id = (
-                f"{response_id}-{p}-{c}", model, session)
-            if c and request.sampling.HasField("seed"):
-                request.sampling.seed = (request.sampling.seed + c) % 2**63
-            requests.append(request)
-    return OpenAIRequest(chat, response_id, model, tuple(requests), n, stream, include_usage,
+        base.request_id, base.model, base.session_id = f"{response_id}-{p}", model, session
+    return OpenAIRequest(chat, response_id, model, tuple(bases), n, stream, include_usage,
                          logprobs, max_param, prompt_param, timeout)
+
+
+def choices(valid: ValidRequest, n: int) -> list[ValidRequest]:
+    """The `n` router requests of one validated prompt; choice i samples with seed + i."""
+    seed = valid.params.seed
+    return [replace(valid, request_id=f"{valid.request_id}-{c}",
+                    params=replace(valid.params, seed=None if seed is None
+                                   else (seed + c) % 2**63))
+            for c in range(n)]
 
 
 def _sampling(body: Mapping[str, Any], max_param: str, default_max: int | None,

@@ -45,7 +45,7 @@ class Choices:
     def __init__(self, request: OpenAIRequest, model: str, texts: TokenTexts) -> None:
         self.request, self.model, self.texts = request, model, texts
         self.created = int(time.time())
-        self.choices = [_Choice() for _ in request.requests]
+        self.choices = [_Choice() for _ in range(len(request.requests) * request.n)]
 
     # ---- one message in, the chunk it makes ----
 
@@ -154,7 +154,7 @@ class Choices:
     def _stop_reason(self, index: int, value: str) -> str | int | None:
         """The stop string or stop token id that ended the choice; None for EOS (as vLLM).
         The router sends a token id as decimal text."""
-        sampling = self.request.requests[index].sampling
+        sampling = self.request.requests[index // self.request.n].sampling
         if not value:
             return None
         if value in sampling.stop or not value.isdigit():

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto import pdserve_pb2
 from pdserve.router.openai.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     BadParameter,
+    choices,
     parse_chat,
     parse_completion,
 )
 from pdserve.router.openai.responses import Choices
-from pdserve.router.validation import InvalidArgument
+from pdserve.router.validation import InvalidArgument, ValidRequest
 
 
 class FakeTexts:
@@ -44,10 +48,15 @@ def test_completion_defaults_to_sixteen_tokens_chat_to_the_context() -> None:
 
 def test_prompt_shapes_and_choices_fan_out() -> None:
     parsed = parse_completion({"prompt": [[1, 2], [3]], "n": 2, "seed": 10})
-    ids = [list(r.prompt_token_ids) for r in parsed.requests]
-    assert ids == [[1, 2], [1, 2], [3], [3]]
-    assert [r.sampling.seed for r in parsed.requests] == [10, 11, 10, 11]
-    assert len({r.request_id for r in parsed.requests}) == 4
+    assert [list(r.prompt_token_ids) for r in parsed.requests] == [[1, 2], [3]]  # one per prompt
+    assert parsed.n == 2 and len({r.request_id for r in parsed.requests}) == 2
+    valid = ValidRequest("r", (1, 2), SamplingParams(seed=10), "s")
+    fanned = choices(valid, 3)
+    assert [c.params.seed for c in fanned] == [10, 11, 12]
+    assert [c.request_id for c in fanned] == ["r-0", "r-1", "r-2"]
+    assert all(c.prompt_token_ids == (1, 2) and c.session_id == "s" for c in fanned)
+    assert [c.params.seed for c in choices(replace(valid, params=SamplingParams()), 2)] == [
+        None, None]
     assert [r.prompt for r in parse_completion({"prompt": ["a", "b"]}).requests] == ["a", "b"]
     assert list(parse_completion({"prompt": [5, 6]}).requests[0].prompt_token_ids) == [5, 6]
 
