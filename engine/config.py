@@ -72,12 +72,18 @@ class ModelConfig:
 
 
 def load_model_config(
-    path: str | Path, dtype: str = "float32", max_model_len: int | None = None
+    path: str | Path, dtype: str = "auto", max_model_len: int | None = None
 ) -> ModelConfig:
-    """Read config.json through transformers' AutoConfig; refuse what the network can't run."""
+    """Read config.json through transformers' AutoConfig; refuse what the network can't run.
+
+    `dtype="auto"` is the checkpoint's own (config.json `dtype` / `torch_dtype`), as vLLM's
+    "auto"; float32 when the checkpoint names none or one the engine does not run.
+    """
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(str(path))
+    if dtype == "auto":
+        dtype = checkpoint_dtype(hf)
     arch = (getattr(hf, "architectures", None) or ["?"])[0]
     num_heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
@@ -104,6 +110,13 @@ def load_model_config(
         attention_bias=arch == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
         eos_token_ids=eos_ids,
     )
+
+
+def checkpoint_dtype(hf: Any) -> str:
+    """The dtype an HF config names for its weights, as one of DTYPES (float32 if none)."""
+    named = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+    name = str(named).removeprefix("torch.") if named is not None else "float32"
+    return name if name in DTYPES else "float32"
 
 
 def _max_model_len(hf: Any, requested: int | None) -> int:

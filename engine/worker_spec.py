@@ -19,7 +19,7 @@ class WorkerSpec:
     worker_id: str
     model: str  # HF-format directory
     model_name: str  # the served name: part of the KV layout id both sides check
-    dtype: str = "float32"
+    dtype: str = "auto"
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_memory_bytes: int = 1 << 30

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels import native
 from pdserve.kernels.checks import (
     FLOAT_DTYPES,
     check_device,
@@ -96,3 +97,35 @@ def rms_norm_ref(
     variance = hidden.pow(2).mean(-1, keepdim=True)
     hidden = hidden * torch.rsqrt(variance + eps)
     return weight * hidden.to(x.dtype), x
+
+
+_CPU_SIGNATURE = (native.PTR,) * 5 + (native.I64, native.I64, native.FLOAT, native.INT)
+
+
+def _cpu_kernel():
+    return native.function("rms_norm_cpu", "rms_norm", _CPU_SIGNATURE)
+
+
+def rms_norm_cpu(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [num_tokens, hidden]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rms_norm_ref` in one C pass per row (`rms_norm_cpu.c`); other dtypes go to the ref."""
+    kernel = _cpu_kernel()
+    dtype = str(x.dtype).removeprefix("torch.")
+    plain = residual is None or (residual.dtype == x.dtype and residual.is_contiguous())
+    if kernel is None or dtype not in native.DTYPE_CODES or weight.dtype != x.dtype or not plain:
+        return rms_norm_ref(x, weight, eps, residual)
+    check_shape("x", x, (None, weight.shape[0]))
+    if residual is not None:
+        check_shape("residual", residual, tuple(x.shape))
+    x, weight = x.contiguous(), weight.contiguous()
+    out = torch.empty_like(x)
+    new_residual = torch.empty_like(x) if residual is not None else x
+    kernel(x.data_ptr(), residual.data_ptr() if residual is not None else None,
+           weight.data_ptr(), out.data_ptr(),
+           new_residual.data_ptr() if residual is not None else None,
+           x.shape[0], x.shape[1], eps, native.DTYPE_CODES[dtype])
+    return out, new_residual

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels import native
 from pdserve.kernels.checks import FLOAT_DTYPES, check_device, check_dtype, check_shape, pow2
 
 
@@ -117,3 +118,37 @@ def rotary_embedding_ref(
     sin = sin_cache[positions].unsqueeze(1).to(q.dtype)
     q.copy_(_rotate(q, cos, sin))
     k.copy_(_rotate(k, cos, sin))
+
+
+_CPU_SIGNATURE = (native.PTR, native.I64, native.PTR, native.I64, native.PTR, native.PTR,
+                  native.PTR, native.I64, native.I64, native.I64, native.I64, native.INT)
+
+
+def _cpu_kernel():
+    return native.function("rotary_embedding_cpu", "rotary_embedding", _CPU_SIGNATURE)
+
+
+def rotary_embedding_cpu(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    positions: torch.Tensor,  # [num_tokens] int64, each < max_positions (the engine's own)
+    cos_cache: torch.Tensor,  # [max_positions, head_dim] float32, halves duplicated
+    sin_cache: torch.Tensor,  # [max_positions, head_dim] float32
+) -> None:
+    """`rotary_embedding_ref` in place, in C (`rotary_embedding_cpu.c`); bit-identical to it.
+    Other dtypes and layouts go to the reference."""
+    kernel = _cpu_kernel()
+    dtype = str(q.dtype).removeprefix("torch.")
+    packed = all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (q, k))
+    tables = cos_cache.dtype == sin_cache.dtype == torch.float32 and cos_cache.is_contiguous()
+    if (kernel is None or dtype not in native.DTYPE_CODES or k.dtype != q.dtype or not packed
+            or not tables or not sin_cache.is_contiguous()):
+        return rotary_embedding_ref(q, k, positions, cos_cache, sin_cache)
+    num_tokens, num_heads, head_dim = q.shape
+    check_shape("k", k, (num_tokens, None, head_dim))
+    check_shape("positions", positions, (num_tokens,))
+    check_shape("cos_cache", cos_cache, (None, head_dim))
+    positions = positions.to(torch.int64).contiguous()
+    kernel(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), positions.data_ptr(),
+           cos_cache.data_ptr(), sin_cache.data_ptr(), num_tokens, num_heads, k.shape[1],
+           head_dim, native.DTYPE_CODES[dtype])

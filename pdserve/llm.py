@@ -29,7 +29,7 @@ class LLM:
     def __init__(
         self,
         model: str = DEFAULT_MODEL,
-        dtype: str = "float32",
+        dtype: str = "auto",
         block_size: int = 16,
         max_model_len: int | None = None,
         kv_cache_memory_bytes: int = 1 << 30,

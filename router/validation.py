@@ -35,15 +35,15 @@ class ModelContext:
     tokenizer: Any
     vocab_size: int
     max_model_len: int
-    dtype: str = "float32"
+    dtype: str = "float32"  # as served (resolved: never "auto")
     eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
-    def load(cls, path: str, name: str, dtype: str = "float32",
+    def load(cls, path: str, name: str, dtype: str = "auto",
              max_model_len: int | None = None) -> ModelContext:
         config = load_model_config(path, dtype, max_model_len)
         return cls(name, load_tokenizer(path), config.vocab_size,
-                   config.max_model_len, dtype, config.eos_token_ids)
+                   config.max_model_len, config.dtype, config.eos_token_ids)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ def _opt(default: Any, help: str) -> Any:
 class ServeSettings:
     # model and engine (each worker)
     model: str = _opt("smollm2-135m", "HF model directory or a bundled name")
-    dtype: str = _opt("float32", "weights and KV dtype: float32 | bfloat16 | float16")
+    dtype: str = _opt("auto", "weights and KV: auto (the checkpoint's) | float32 | bfloat16")
     max_model_len: int | None = _opt(None, "context window (default: the model's)")
     block_size: int = _opt(16, "tokens per KV block")
     kv_cache_memory_bytes: int = _opt(1 << 30, "KV cache budget per worker, bytes")
@@ -43,7 +43,7 @@ class ServeSettings:
     max_num_seqs: int = _opt(64, "sequences per engine step")
     max_num_batched_tokens: int = _opt(2048, "tokens per engine step (chunked prefill)")
     device: str = _opt("cpu", "torch device of the workers: cpu | cuda")
-    kernel_backend: str | None = _opt(None, "torch | triton (default: by device)")
+    kernel_backend: str | None = _opt(None, "cpu | torch | triton (default: by device)")
     seed: int = _opt(0, "engine seed for unseeded sampling")
     # pools
     mode: str = _opt("disaggregated", "disaggregated | colocated (each decode worker prefills "

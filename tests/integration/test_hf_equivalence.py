@@ -29,7 +29,8 @@ CONFIGS = {
 
 def run_staggered(model_dir, prompts, **kwargs):
     """Three requests at step 0, then one more at every step; returns (outputs, stats)."""
-    llm = LLM(model=str(model_dir), num_threads=2, max_num_batched_tokens=512, **kwargs)
+    llm = LLM(model=str(model_dir), dtype="float32", num_threads=2, max_num_batched_tokens=512,
+              **kwargs)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     queue = [(f"r{i}", list(p)) for i, p in enumerate(prompts)]

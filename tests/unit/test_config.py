@@ -50,3 +50,20 @@ def test_dtype_and_kv_budget_are_checked(tmp_path):
         with_num_blocks(CacheConfig(kv_cache_memory_bytes=per_block * 10), config)
     sized = with_num_blocks(CacheConfig(kv_cache_memory_bytes=per_block * 300), config)
     assert sized.num_blocks == 300
+
+
+@pytest.mark.parametrize("named,served", [
+    ({"dtype": "bfloat16"}, "bfloat16"),
+    ({"torch_dtype": "float16"}, "float16"),  # the pre-transformers-5 key
+    ({}, "float32"),  # none named
+    ({"dtype": "float64"}, "float32"),  # one the engine does not run
+])
+def test_auto_dtype_is_the_checkpoints(tmp_path, named, served):
+    path = write_config(tmp_path, sliding_window=None, **named)
+    assert load_model_config(path).dtype == served  # "auto" is the default
+    assert load_model_config(path, dtype="float32").dtype == "float32"
+
+
+def test_the_bundled_model_serves_in_its_upstream_dtype(smollm2_dir):
+    """SmolLM2 was published in bf16; the converted weights are fp32 (the GGUF, exactly)."""
+    assert load_model_config(smollm2_dir).dtype == "bfloat16"

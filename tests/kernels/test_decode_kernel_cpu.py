@@ -1,0 +1,99 @@
+"""The C paged decode attention (`kernels/paged_decode_attention_cpu.c`) against the reference.
+
+Bounds (relative norm error against the reference evaluated in fp32 on the same inputs):
+fp32 1e-5; bf16 1e-2 (the output is rounded to bf16). Unowned cache slots hold NaN, so a
+read past a sequence's length or through a padding entry of its block table fails the test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_case import finite, make_case, rel_err
+
+from pdserve.kernels import native
+from pdserve.kernels.paged_decode_attention import paged_decode_attention_ref
+from pdserve.kernels.paged_decode_attention_cpu import available, paged_decode_attention_cpu
+from pdserve.kernels.registry import CPU_BACKEND, get_backend
+
+BOUND = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+LENS = [1, 700, 37, 16, 129]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    """A machine that runs the tests has a C compiler: not building is a failure, not a skip."""
+    assert available(), f"the C kernel did not build (compiler {native._compiler()})"
+
+
+def _ref(case, q):
+    c = finite(case)
+    return paged_decode_attention_ref(q.float(), c.k_cache.float(), c.v_cache.float(),
+                                      c.block_tables, c.context_lens, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size,head_dim,group,num_kv_heads",
+                         [(16, 64, 3, 3), (32, 128, 1, 2), (16, 80, 8, 1), (1, 64, 2, 2)])
+def test_matches_reference(dtype, block_size, head_dim, group, num_kv_heads):
+    case = make_case(LENS, block_size, num_kv_heads, head_dim, dtype, seed=block_size + group)
+    q = torch.randn(len(LENS), num_kv_heads * group, head_dim).to(dtype)
+    out = paged_decode_attention_cpu(q, case.k_cache, case.v_cache, case.block_tables,
+                                     case.context_lens, 0.125)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert rel_err(out, _ref(case, q)) < BOUND[dtype]
+
+
+def test_strided_query_int64_tables_and_threads():
+    """q as a view of a fused qkv row; int64 tables; the same result on 1 and 2 threads."""
+    case = make_case([300, 9, 64], 16, 2, 64, torch.bfloat16, seed=4)
+    qkv = torch.randn(3, 8, 64).to(torch.bfloat16)
+    q = qkv[:, :4]  # row stride 8 * 64
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(paged_decode_attention_cpu(
+                q, case.k_cache, case.v_cache, case.block_tables.long(), case.context_lens,
+                0.125, max_context_len=300))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[0], _ref(case, q)) < BOUND[torch.bfloat16]
+
+
+def test_rejects_bad_inputs():
+    case = make_case([5], 16, 2, 64, torch.float32)
+    with pytest.raises(ValueError, match="does not match the cache's heads"):
+        paged_decode_attention_cpu(torch.randn(1, 3, 64), case.k_cache, case.v_cache,
+                                   case.block_tables, case.context_lens, 0.125)
+    with pytest.raises(ValueError, match="q must have dtype"):
+        paged_decode_attention_cpu(torch.randn(1, 4, 64).bfloat16(), case.k_cache,
+                                   case.v_cache, case.block_tables, case.context_lens, 0.125)
+    with pytest.raises(ValueError, match="block_tables must have shape"):
+        paged_decode_attention_cpu(torch.randn(1, 4, 64), case.k_cache, case.v_cache,
+                                   case.block_tables[:0], case.context_lens, 0.125)
+
+
+def test_cpu_backend_is_the_default_and_falls_back_for_fp16():
+    assert get_backend(torch.device("cpu")) is CPU_BACKEND
+    case = finite(make_case([40, 3], 16, 2, 64, torch.float16, seed=5))  # the reference reads
+    q = torch.randn(2, 4, 64).half()  # unowned slots with weight 0: they must be finite
+    out = CPU_BACKEND.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables,
+                                            case.context_lens, 0.125)
+    assert rel_err(out, _ref(case, q)) < 2e-3
+
+
+def test_disabled_by_env_means_the_torch_backend(monkeypatch, tmp_path):
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    native.load.cache_clear()
+    native.function.cache_clear()
+    try:
+        assert native.load("paged_decode_attention_cpu") is None
+        assert get_backend(torch.device("cpu")).name == "torch"
+    finally:
+        monkeypatch.undo()
+        native.load.cache_clear()
+        native.function.cache_clear()
+    assert get_backend(torch.device("cpu")) is CPU_BACKEND
