@@ -23,7 +23,7 @@ def run_pdserve(reqs: list[BenchRequest], warm: list[BenchRequest], opts: dict) 
 
     llm = LLM(
         model=opts["model"],
-        dtype="float32",
+        dtype=opts["dtype"],
         block_size=BLOCK_SIZE,
         max_model_len=opts["max_model_len"],
         kv_cache_memory_bytes=opts["kv_cache_bytes"],
@@ -48,7 +48,8 @@ def _load_hf(opts: dict) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(opts["model_path"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(opts["model_path"],
+                                                 dtype=getattr(torch, opts["dtype"]))
     model.eval()
     model.generation_config.eos_token_id = None  # ignore_eos: never a stopping criterion
     model.generation_config.pad_token_id = PAD_TOKEN_ID

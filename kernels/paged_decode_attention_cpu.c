@@ -20,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define UNROLL 4 /* tokens per group in the loops below (the code spells out 4) */
+
 static inline float bf16_to_f32(uint16_t h) {
     union { uint32_t u; float f; } x;
     x.u = (uint32_t)h << 16;
@@ -74,41 +76,69 @@ static inline void store_row(const float *src, int dtype, int64_t n, float mul, 
 static inline __attribute__((always_inline)) void attend_one(const char *q, const char *k_cache, const char *v_cache,
                        const int32_t *table, int64_t len, int64_t num_heads, int64_t group,
                        int64_t head_dim, int64_t block_size, int64_t num_kv_heads, int64_t elem,
-                       int dtype, float scale, int64_t max_context, float *qf, float *row,
+                       int dtype, float scale, int64_t score_stride, float *qf, float *row,
                        float *scores, float *acc, char *out) {
     int64_t kv_dim = num_kv_heads * head_dim, token_bytes = kv_dim * elem;
     int64_t block_bytes = block_size * token_bytes;
     const char *block = NULL;
     load_row(q, dtype, num_heads * head_dim, scale, qf);
-    /* Block by block through the table (a division per token costs more than the dots). */
-    for (int64_t t = 0, i = block_size, b = 0; t < len; t++, i++) {
-        if (i == block_size) block = k_cache + (int64_t)table[b++] * block_bytes, i = 0;
-        load_row(block + i * token_bytes, dtype, kv_dim, 1.0f, row);
+    /* Tokens go UNROLL at a time (a short tail reuses the last row with probability 0): each
+     * query head is loaded once per group for the dots, and each accumulator once per group
+     * for the values. The walk goes block by block (a division per token costs more). */
+    const char *rows[UNROLL];
+    int64_t b = 0, i = block_size;
+    for (int64_t t0 = 0; t0 < len; t0 += UNROLL) {
+        for (int u = 0; u < UNROLL; u++) {
+            if (t0 + u < len) {
+                if (i == block_size) block = k_cache + (int64_t)table[b++] * block_bytes, i = 0;
+                rows[u] = block + i++ * token_bytes;
+            } else {
+                rows[u] = rows[u - 1];
+            }
+            load_row(rows[u], dtype, kv_dim, 1.0f, row + u * kv_dim);
+        }
         for (int64_t h = 0; h < num_heads; h++) {
             const float *qh = qf + h * head_dim, *kh = row + (h / group) * head_dim;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; d++) dot += qh[d] * kh[d];
-            scores[h * max_context + t] = dot;
+            float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+            for (int64_t d = 0; d < head_dim; d++) {
+                d0 += qh[d] * kh[d];
+                d1 += qh[d] * kh[kv_dim + d];
+                d2 += qh[d] * kh[2 * kv_dim + d];
+                d3 += qh[d] * kh[3 * kv_dim + d];
+            }
+            float *s = scores + h * score_stride + t0;
+            s[0] = d0, s[1] = d1, s[2] = d2, s[3] = d3;  /* scores has UNROLL slots of slack */
         }
     }
     for (int64_t h = 0; h < num_heads; h++) {
-        float *s = scores + h * max_context, top = -INFINITY, sum = 0.0f;
+        float *s = scores + h * score_stride, top = -INFINITY, sum = 0.0f;
 #pragma omp simd reduction(max : top)
         for (int64_t t = 0; t < len; t++) top = s[t] > top ? s[t] : top;
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < len; t++) sum += (s[t] = exp_nonpositive(s[t] - top));
         for (int64_t t = 0; t < len; t++) s[t] /= sum;
+        for (int64_t t = len; t < len + UNROLL; t++) s[t] = 0.0f;  /* the tail's weight */
     }
     memset(acc, 0, (size_t)(num_heads * head_dim) * sizeof(float));
-    for (int64_t t = 0, i = block_size, b = 0; t < len; t++, i++) {
-        if (i == block_size) block = v_cache + (int64_t)table[b++] * block_bytes, i = 0;
-        load_row(block + i * token_bytes, dtype, kv_dim, 1.0f, row);
+    b = 0, i = block_size;
+    for (int64_t t0 = 0; t0 < len; t0 += UNROLL) {
+        for (int u = 0; u < UNROLL; u++) {
+            if (t0 + u < len) {
+                if (i == block_size) block = v_cache + (int64_t)table[b++] * block_bytes, i = 0;
+                rows[u] = block + i++ * token_bytes;
+            } else {
+                rows[u] = rows[u - 1];
+            }
+            load_row(rows[u], dtype, kv_dim, 1.0f, row + u * kv_dim);
+        }
         for (int64_t h = 0; h < num_heads; h++) {
-            float p = scores[h * max_context + t], *a = acc + h * head_dim;
-            const float *vh = row + (h / group) * head_dim;
+            const float *p = scores + h * score_stride + t0, *vh = row + (h / group) * head_dim;
+            float *a = acc + h * head_dim;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; d++) a[d] += p * vh[d];
+            for (int64_t d = 0; d < head_dim; d++)
+                a[d] += p[0] * vh[d] + p[1] * vh[kv_dim + d] + p[2] * vh[2 * kv_dim + d] +
+                        p[3] * vh[3 * kv_dim + d];
         }
     }
     store_row(acc, dtype, num_heads * head_dim, 1.0f, out);
@@ -127,8 +157,8 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
     {
         float *qf = malloc(sizeof(float) * (size_t)q_dim);
         float *acc = malloc(sizeof(float) * (size_t)q_dim);
-        float *row = malloc(sizeof(float) * (size_t)kv_dim);
-        float *scores = malloc(sizeof(float) * (size_t)(num_heads * (max_context > 0 ? max_context : 1)));
+        float *row = malloc(sizeof(float) * (size_t)(UNROLL * kv_dim));
+        float *scores = malloc(sizeof(float) * (size_t)(num_heads * (max_context + UNROLL)));
         int ok = qf && acc && row && scores;
         if (!ok) {
 #pragma omp atomic write
@@ -143,7 +173,7 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
 #define ATTEND(HEAD_DIM)                                                                      \
     attend_one(qs, (const char *)k_cache, (const char *)v_cache, table, context_lens[s],      \
                num_heads, group, HEAD_DIM, block_size, num_kv_heads, elem, dtype, scale,      \
-               max_context, qf, row, scores, acc, os)
+               max_context + UNROLL, qf, row, scores, acc, os)
             if (head_dim == 64)
                 ATTEND(64);
             else if (head_dim == 128)

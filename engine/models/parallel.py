@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels import packed_linear
+
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -86,7 +88,11 @@ class ColumnParallelLinear(torch.nn.Module):
         target.data.narrow(0, self.offsets[shard], rows).copy_(local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return packed_linear.linear(x, self.weight, self.bias)
+
+    def pack_weights(self) -> None:
+        """Weights into oneDNN's layout once (bf16 on CPU; see kernels.packed_linear)."""
+        self.weight = _packed(self.weight)
 
 
 class RowParallelLinear(torch.nn.Module):
@@ -106,7 +112,10 @@ class RowParallelLinear(torch.nn.Module):
         self.weight.data.copy_(tensor.narrow(1, self.tp.rank * self.cols, self.cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        return self.tp.all_reduce(packed_linear.linear(x, self.weight))
+
+    def pack_weights(self) -> None:
+        self.weight = _packed(self.weight)
 
 
 class VocabParallelEmbedding(torch.nn.Module):
@@ -123,6 +132,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.vocab_size = vocab_size
         kw = {"dtype": dtype, "device": device}
         self.weight = torch.nn.Parameter(torch.zeros(self.rows, hidden_size, **kw), False)
+        self.packed_head: torch.Tensor | None = None
 
     def load(self, name: str, tensor: torch.Tensor, shard: str = "") -> None:
         local = tensor[self.start : self.start + self.rows]
@@ -137,5 +147,27 @@ class VocabParallelEmbedding(torch.nn.Module):
         return self.tp.all_reduce(out.masked_fill(outside[:, None], 0))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
-        local = F.linear(hidden, self.weight).float()
+        local = packed_linear.linear(hidden, self.head_weight).float()
         return self.tp.all_gather_last(local)[:, : self.vocab_size]
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.packed_head if self.packed_head is not None else self.weight
+
+    def pack_weights(self) -> None:
+        """A packed copy for the LM head (the lookup keeps the plain rows)."""
+        if packed_linear.can_pack(self.weight):
+            self.packed_head = packed_linear.pack(self.weight)
+
+
+def _packed(weight: torch.nn.Parameter) -> torch.nn.Parameter:
+    if not packed_linear.can_pack(weight):
+        return weight
+    return torch.nn.Parameter(packed_linear.pack(weight.data), False)
+
+
+def pack_weights(model: torch.nn.Module) -> None:
+    """Every linear of `model` into its packed form, after the weights are loaded."""
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+            module.pack_weights()

@@ -1,0 +1,44 @@
+"""Linears on weights packed once for oneDNN (kernels.packed_linear) against F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from paged_case import rel_err
+
+from pdserve import LLM, SamplingParams
+from pdserve.kernels import packed_linear
+
+
+@pytest.mark.parametrize("rows", [1, 7, 32, 33, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_matches_f_linear(rows, with_bias):
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(200, 96, generator=gen).bfloat16()
+    b = torch.randn(200, generator=gen).bfloat16() if with_bias else None
+    x = torch.randn(rows, 96, generator=gen).bfloat16()
+    assert packed_linear.can_pack(w)
+    packed = packed_linear.pack(w)
+    assert packed.is_mkldnn
+    out = packed_linear.linear(x, packed, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 200)
+    assert rel_err(out, F.linear(x.float(), w.float(), None if b is None else b.float())) < 1e-2
+
+
+def test_fp32_is_never_packed():
+    """fp32 stays on F.linear: the path that is token-identical to transformers."""
+    assert not packed_linear.can_pack(torch.randn(4, 4))
+
+
+def test_the_cpu_backend_packs_bf16_models(tiny_llama_dir):
+    prompts = [[11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [40, 41, 42]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = {}
+    for backend in ("torch", "cpu"):
+        llm = LLM(model=str(tiny_llama_dir), dtype="bfloat16", num_threads=2, num_kv_blocks=16,
+                  max_model_len=256, kernel_backend=backend)
+        model = llm.engine.core.runner.model
+        assert model.layers[0].mlp.gate_up_proj.weight.is_mkldnn == (backend == "cpu")
+        outputs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outputs["cpu"] == outputs["torch"]
