@@ -4,11 +4,12 @@
 
 On CUDA the Triton kernels are timed with `triton.testing.do_bench` and their bandwidth is
 given as a share of a measured device-to-device copy (the target: paged decode at batch 64 x
-4k context >= 70%). On CPU the torch path, the one that serves there, is timed (best of
-`--repeat`), and the SmolLM2-135M decode step's attention (9 heads, 3 KV heads, head_dim 64,
-30 layers, fp32) at batch 32 x 1k context is compared with dense SDPA over the same K/V
-stored contiguously (the target: within 1.3x). Timings on a shared machine are noisy: the
-best of several runs is the figure that means something.
+4k context >= 70%). On CPU the backend that serves there (`cpu`: the C kernels where they
+build, else `torch`) is timed (best of `--repeat`), and the SmolLM2-135M decode step's
+attention (9 heads, 3 KV heads, head_dim 64, 30 layers, fp32) at batch 32 x 1k context is
+compared with dense SDPA over the same K/V stored contiguously (the target: within 1.3x).
+Timings on a shared machine are noisy: the best of several runs is the figure that means
+something.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def attention_cost(num_seqs, context_len, num_heads, num_kv_heads, head_dim, kv_
 
 
 def decode_step_cpu(args, gen) -> list[Row]:
-    """SmolLM2-135M decode attention over 30 layers: paged torch path vs dense SDPA.
+    """SmolLM2-135M decode attention over 30 layers: the paged backend vs dense SDPA.
 
     The headline pages 16-token blocks at random places (a long-running server's cache);
     the other rows show what the gap is made of (blocks in allocation order, 64-token
@@ -136,9 +137,9 @@ def decode_step_cpu(args, gen) -> list[Row]:
             t_dense = min(t_dense, time_cpu(sdpa, 2))
         nbytes = layers * sum(c.nbytes for c in batches[0][0])  # every block is in use
         layout = f"block {block_size}, {'allocation order' if ordered else 'random places'}"
-        name = "decode attn (torch, paged)"
+        name = f"decode attn ({ops.name}, paged)"
         if kv_dtype == torch.int8:
-            name, layout = "decode attn (torch, int8 KV)", layout + ", int8"
+            name, layout = f"decode attn ({ops.name}, int8 KV)", layout + ", int8"
         rows.append(Row(name, shape, nbytes, layers * flops, t_paged, layout))
         del batches, dense
     for row in rows:
@@ -257,7 +258,8 @@ def main() -> None:
         print_table(rows, roof, "device-to-device")
         return
     clock = "thread CPU time" if cpu_clock() is time.thread_time else "wall time"
-    print(f"device: CPU, torch path, {torch.get_num_threads()} torch threads "
+    print(f"device: CPU, {get_backend(torch.device('cpu')).name} backend, "
+          f"{torch.get_num_threads()} torch threads "
           f"(interop {torch.get_num_interop_threads()}), best of {args.repeat} by {clock}")
     roof = copy_bandwidth(torch.device("cpu"), time_cpu, args.repeat)
     rows = decode_step_cpu(args, gen)

@@ -24,13 +24,10 @@ output length, EOS ignored:
   (its CPU default takes ~60% of free RAM) and the same per-step token budget.
 
 Each system runs in its own child, one after the other, all with `--threads` threads. A child
-loads its model, warms up on two short prompts outside the workload, then is timed from
-submitting the first request to the last result (model load, compilation and cache allocation
-excluded for all). Peak RSS: the kernel's VmHWM of
-that child, reset through /proc/self/clear_refs just before the timed phase, so it is the
-resident high-water mark of the generation phase (model weights, KV cache, activations).
-"cpu s" is the child's user+system CPU time over the same phase: on a shared machine it is
-steadier than wall time (output tok/s uses wall time).
+loads its model, warms up on two short prompts outside the workload, then is timed from the
+first request to the last result (load, compilation, cache allocation excluded). Peak RSS: the
+child's VmHWM, reset (/proc/self/clear_refs) just before the timed phase. "cpu s": its
+user+system CPU time over that phase (steadier than wall time on a shared machine).
 
     .venv/bin/python benchmarks/offline_throughput.py --threads 2 --json out.json
 """
@@ -67,8 +64,11 @@ def _sibling(name: str) -> ModuleType:
 
 
 systems = _sibling("offline_systems")
+vllm_child = _sibling("offline_vllm")
+roofline = _sibling("roofline")
+agreement_of = _sibling("agreement")
 PDSERVE, HF_GENERATE, HF_BATCH = systems.PDSERVE, systems.HF_GENERATE, systems.HF_BATCH
-VLLM = "vllm"
+VLLM = vllm_child.VLLM
 ROOT = _HERE.parent
 
 
@@ -131,48 +131,12 @@ def run_phase(system: str, reqs: list[BenchRequest], warm: list[BenchRequest], o
 # ---------------------------------------------------------------------------- parent side
 
 
-def _run_vllm(python: Path, reqs: list, warm: list, opts: dict) -> dict:
-    """vLLM in its own interpreter (`offline_vllm.py`): the job and the result go as JSON."""
-    import subprocess
-    import tempfile
-
-    threads = opts["threads"]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads),
-               VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}" if threads > 1 else "0",
-               VLLM_CPU_KVCACHE_SPACE=str(max(1, -(-opts["kv_cache_bytes"] // (1 << 30)))))
-    pairs = lambda rs: [[list(r.prompt_token_ids), r.output_len] for r in rs]  # noqa: E731
-    job = {k: opts[k] for k in ("model_path", "dtype", "threads", "max_model_len",
-                                "max_num_seqs", "max_batched_tokens")}
-    with tempfile.TemporaryDirectory() as tmp:
-        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
-        job_path.write_text(json.dumps({**job, "requests": pairs(reqs), "warm": pairs(warm)}))
-        subprocess.run([str(python), str(_HERE / "offline_vllm.py"), str(job_path),
-                        str(result_path)], env=env, check=True)
-        result = json.loads(result_path.read_text())
-    tokens = result["token_ids"]
-    print(f"vllm: engine built (and compiled) in {result.pop('load_s'):.0f} s, not timed")
-    return {**result, "system": VLLM, "requests": len(reqs),
-            "output_tokens": sum(min(len(t), r.output_len) for t, r in zip(tokens, reqs)),
-            "short_requests": sum(len(t) < r.output_len for t, r in zip(tokens, reqs))}
-
-
-def _spawn(system: str, reqs: list, warm: list, opts: dict) -> dict:
-    os.environ["OMP_NUM_THREADS"] = str(opts["threads"])  # inherited by the spawned child
+def _spawn(fn, *args) -> dict:
+    """`fn(*args)` in a spawned child of its own (threads from opts, the last argument)."""
+    os.environ["OMP_NUM_THREADS"] = str(args[-1]["threads"])  # inherited by the child
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
-        return pool.submit(run_phase, system, reqs, warm, opts).result()
-
-
-def _agreement(a: list[list[int]], b: list[list[int]]) -> dict:
-    prefix = []
-    for x, y in zip(a, b, strict=True):
-        pairs = enumerate(zip(x, y, strict=False))
-        n = next((i for i, (p, q) in pairs if p != q), min(len(x), len(y)))
-        prefix.append(n / max(1, len(x)))
-    exact = sum(x == y for x, y in zip(a, b, strict=True))
-    first32 = sum(x[:32] == y[:32] for x, y in zip(a, b, strict=True))
-    return {"exact": exact, "first32": first32, "of": len(a),
-            "mean_common_prefix": sum(prefix) / len(prefix)}
+        return pool.submit(fn, *args).result()
 
 
 def _print_table(results: list[dict]) -> None:
@@ -265,17 +229,20 @@ def main(argv: list[str] | None = None) -> dict:
     results = []
     for system in names:
         print(f"running {system} ...", flush=True)
-        results.append(_spawn(system, reqs, warm, opts))
+        results.append(_spawn(run_phase, system, reqs, warm, opts))
     if not args.skip_vllm and args.vllm_python.exists():
         print(f"running {VLLM} ({args.vllm_python}) ...", flush=True)
-        results.append(_run_vllm(args.vllm_python, reqs, warm, opts))
+        results.append(vllm_child.run(args.vllm_python, reqs, warm, opts))
     elif not args.skip_vllm:
         print(f"vllm: {args.vllm_python} missing; bash benchmarks/install_vllm_cpu.sh")
+    step = _spawn(roofline.decode_step, opts)  # pdserve's step alone, after the runs
     print()
     _print_table(results)
     _print_notes(args, results)
-    agreement = _print_agreement(results)
+    agreement = agreement_of.report(results)
+    print(roofline.describe(step))
     report = {
+        "roofline": step,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "workload": {"input_lens": sorted(len(r.prompt_token_ids) for r in reqs),
                      "output_lens": sorted(r.output_len for r in reqs)},
@@ -308,20 +275,6 @@ def _print_notes(args: argparse.Namespace, results: list[dict]) -> None:
         f"cpu s = its user+sys CPU time then; "
         f"threads used: {', '.join(str(r['threads']) for r in results)}."
     )
-
-
-def _print_agreement(results: list[dict]) -> dict:
-    """Greedy tokens of every other system against pdserve's, printed; by system."""
-    agreement = {}
-    for other in results[1:]:
-        agreement[other["system"]] = _agreement(results[0]["token_ids"], other["token_ids"])
-        a = agreement[other["system"]]
-        print(
-            f"greedy agreement pdserve vs {other['system']}: {a['exact']}/{a['of']} requests "
-            f"identical, first 32 tokens identical in {a['first32']}/{a['of']}, mean common "
-            f"prefix {a['mean_common_prefix']:.1%} of the output"
-        )
-    return agreement
 
 
 if __name__ == "__main__":

