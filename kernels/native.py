@@ -1,6 +1,6 @@
 """Build and load the C kernels that sit beside their modules (`kernels/<name>.c`).
 
-A kernel is compiled once per (source, compiler, CPU flags) with the system C compiler
+A kernel is compiled once per (source and headers, compiler, CPU flags) with the system C compiler
 (`$CC`, else `cc`): `-O3 -march=native -fopenmp`, into `$PDSERVE_CACHE_DIR/kernels` (default
 `~/.cache/pdserve/kernels`), written under a temporary name and renamed, so concurrent
 workers never load a half-written library. Triton and inductor need the same compiler on the
@@ -64,9 +64,11 @@ def load(name: str) -> ctypes.CDLL | None:
     if cc is None:
         logger.warning("no C compiler (set CC): %s runs on the torch reference", name)
         return None
-    source = (Path(__file__).parent / f"{name}.c").read_bytes()
+    here = Path(__file__).parent
+    sources = [here / f"{name}.c", *sorted(here.glob("*.h"))]  # the headers it may include
     key = hashlib.sha256(b"\0".join(
-        [source, " ".join(FLAGS).encode(), _version(cc).encode(), _cpu_flags().encode()]
+        [*(p.read_bytes() for p in sources), " ".join(FLAGS).encode(), _version(cc).encode(),
+         _cpu_flags().encode()]
     )).hexdigest()[:16]
     path = cache_dir() / f"{name}-{key}.so"
     try:

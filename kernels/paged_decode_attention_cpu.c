@@ -15,26 +15,12 @@
  *   out      [num_seqs, num_heads, head_dim], contiguous
  * dtype: 0 = float32, 1 = bfloat16 (math in fp32, rounded to nearest even on store).
  */
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define UNROLL 4 /* tokens per group in the loops below (the code spells out 4) */
-
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } x;
-    x.u = (uint32_t)h << 16;
-    return x.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } x;
-    x.f = f;
-    if (isnan(f)) return 0x7FC0;
-    x.u += 0x7FFFu + ((x.u >> 16) & 1u);
-    return (uint16_t)(x.u >> 16);
-}
 
 /* exp(x) for the softmax's x <= 0, in a form the compiler vectorizes (glibc's expf is a scalar
  * call per score): e^x = 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, and 2^f by its Taylor
@@ -70,6 +56,30 @@ static inline void store_row(const float *src, int dtype, int64_t n, float mul, 
     }
 }
 
+/* Walks one sequence's cached rows through its block table, block by block (a division per
+ * token costs more than the dots). */
+typedef struct {
+    const char *cache, *block;
+    const int32_t *table;
+    int64_t block_size, block_bytes, token_bytes, next_block, in_block, len;
+} RowWalk;
+
+/* The next UNROLL rows from token t0, each converted into `out` (kv_dim floats apiece); past
+ * the end the last row repeats (its probability is 0). */
+static inline void next_rows(RowWalk *w, int64_t t0, int dtype, int64_t kv_dim, float *out) {
+    const char *row = NULL;
+    for (int u = 0; u < UNROLL; u++) {
+        if (t0 + u < w->len) {
+            if (w->in_block == w->block_size) {
+                w->block = w->cache + (int64_t)w->table[w->next_block++] * w->block_bytes;
+                w->in_block = 0;
+            }
+            row = w->block + w->in_block++ * w->token_bytes;
+        }
+        load_row(row, dtype, kv_dim, 1.0f, out + u * kv_dim);
+    }
+}
+
 /* One sequence, every head: each cached token row (all KV heads, contiguous) is read once.
  * Always inlined, so the call sites below that pass a literal head_dim get loops of known
  * length (fully unrolled, no remainder code): the common head sizes run ~2x faster. */
@@ -79,24 +89,15 @@ static inline __attribute__((always_inline)) void attend_one(const char *q, cons
                        int dtype, float scale, int64_t score_stride, float *qf, float *row,
                        float *scores, float *acc, char *out) {
     int64_t kv_dim = num_kv_heads * head_dim, token_bytes = kv_dim * elem;
-    int64_t block_bytes = block_size * token_bytes;
-    const char *block = NULL;
+    RowWalk keys = {k_cache, NULL, table, block_size, block_size * token_bytes, token_bytes,
+                    0, block_size, len};
+    RowWalk values = keys;
+    values.cache = v_cache;
     load_row(q, dtype, num_heads * head_dim, scale, qf);
-    /* Tokens go UNROLL at a time (a short tail reuses the last row with probability 0): each
-     * query head is loaded once per group for the dots, and each accumulator once per group
-     * for the values. The walk goes block by block (a division per token costs more). */
-    const char *rows[UNROLL];
-    int64_t b = 0, i = block_size;
+    /* Tokens go UNROLL at a time: each query head is loaded once per group for the dots, and
+     * each accumulator once per group for the values. */
     for (int64_t t0 = 0; t0 < len; t0 += UNROLL) {
-        for (int u = 0; u < UNROLL; u++) {
-            if (t0 + u < len) {
-                if (i == block_size) block = k_cache + (int64_t)table[b++] * block_bytes, i = 0;
-                rows[u] = block + i++ * token_bytes;
-            } else {
-                rows[u] = rows[u - 1];
-            }
-            load_row(rows[u], dtype, kv_dim, 1.0f, row + u * kv_dim);
-        }
+        next_rows(&keys, t0, dtype, kv_dim, row);
         for (int64_t h = 0; h < num_heads; h++) {
             const float *qh = qf + h * head_dim, *kh = row + (h / group) * head_dim;
             float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
@@ -121,17 +122,8 @@ static inline __attribute__((always_inline)) void attend_one(const char *q, cons
         for (int64_t t = len; t < len + UNROLL; t++) s[t] = 0.0f;  /* the tail's weight */
     }
     memset(acc, 0, (size_t)(num_heads * head_dim) * sizeof(float));
-    b = 0, i = block_size;
     for (int64_t t0 = 0; t0 < len; t0 += UNROLL) {
-        for (int u = 0; u < UNROLL; u++) {
-            if (t0 + u < len) {
-                if (i == block_size) block = v_cache + (int64_t)table[b++] * block_bytes, i = 0;
-                rows[u] = block + i++ * token_bytes;
-            } else {
-                rows[u] = rows[u - 1];
-            }
-            load_row(rows[u], dtype, kv_dim, 1.0f, row + u * kv_dim);
-        }
+        next_rows(&values, t0, dtype, kv_dim, row);
         for (int64_t h = 0; h < num_heads; h++) {
             const float *p = scores + h * score_stride + t0, *vh = row + (h / group) * head_dim;
             float *a = acc + h * head_dim;

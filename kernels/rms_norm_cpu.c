@@ -9,19 +9,7 @@
 #include <math.h>
 #include <stdint.h>
 
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } x;
-    x.u = (uint32_t)h << 16;
-    return x.f;
-}
-
-static inline float round_bf16(float f) { /* to the nearest bf16, ties to even */
-    union { uint32_t u; float f; } x;
-    x.f = f;
-    if (isnan(f)) return f;
-    x.u = (x.u + 0x7FFFu + ((x.u >> 16) & 1u)) & 0xFFFF0000u;
-    return x.f;
-}
+#include "bf16.h"
 
 static inline float load(const void *p, int64_t i, int dtype) {
     return dtype == 1 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
@@ -36,8 +24,6 @@ static inline void store(void *p, int64_t i, float v, int dtype) {
         ((float *)p)[i] = v;
     }
 }
-
-static inline float to_dtype(float v, int dtype) { return dtype == 1 ? round_bf16(v) : v; }
 
 static inline __attribute__((always_inline)) void norm_row(
     const void *x, const void *residual, const void *weight, void *out, void *new_residual,

@@ -8,21 +8,7 @@
 #include <math.h>
 #include <stdint.h>
 
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } x;
-    x.u = (uint32_t)h << 16;
-    return x.f;
-}
-
-static inline float round_bf16(float f) {
-    union { uint32_t u; float f; } x;
-    x.f = f;
-    if (isnan(f)) return f;
-    x.u = (x.u + 0x7FFFu + ((x.u >> 16) & 1u)) & 0xFFFF0000u;
-    return x.f;
-}
-
-static inline float to_dtype(float v, int dtype) { return dtype == 1 ? round_bf16(v) : v; }
+#include "bf16.h"
 
 static inline __attribute__((always_inline)) void rotate(void *base, int64_t num_heads, int64_t head_dim, const float *cos,
                    const float *sin, int dtype) {
