@@ -18,6 +18,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -26,10 +27,12 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 FLAGS = (
-    "-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared", "-std=c11",
+    "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11",
     # dot products as vector trees, not a serial chain of scalar adds (no finite-math
     # assumption: NaN and inf behave as without the flags)
     "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+    # x86: use all 512 bits where AVX-512 is (gcc defaults to 256 there); other CPUs lack the flag
+    *(("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()),
 )
 DISABLE_ENV = "PDSERVE_NATIVE_KERNELS"  # "0": never build or load (torch reference only)
 
