@@ -4,7 +4,8 @@
     descriptor.py   TransferDescriptor / Endpoint: what decode reserved, strict JSON codec
     header.py       the fixed 4096-byte data-plane header and its hostile-input validation
     channel.py      PairChannel: 2-rank control + data groups, deadlines, prompt close
-    connector.py    the connect handshake (layout checked before any KV moves); roles
+    handshake.py    the signed connect handshake (cluster secret, layout checked before any KV)
+    connector.py    the two roles: Connector (sender side), Listener (receiver side)
     rendezvous.py   GlooConnector / GlooListener: channels from a TCPStore, no global world
     sender.py       KVSender: plan a batch per destination rank, push layer by layer
     receiver.py     KVReceiver: expect / poll / wait / cancel

@@ -22,6 +22,7 @@ class ErrorCode(IntEnum):
     PROTOCOL = 5  # a malformed or unexpected message; the channel was closed
     PEER_LOST = 6  # the other process died or closed the channel
     SHUTDOWN = 7  # this end is shutting down
+    UNAUTHENTICATED = 8  # the peer does not hold this cluster's secret (kvtransfer.handshake)
 
 
 class TransferError(RuntimeError):

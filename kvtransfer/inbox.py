@@ -10,8 +10,9 @@
     lander    waits for message k's payload (bounded: PAYLOAD_STALL_S), then hands it to
               its owner's `land` (KVReceiver), which unpacks what was staged under its lock
 
-so payload k+1 streams while payload k lands. A header that fails validation closes the
-channel before any payload recv is posted: no byte of that payload moves.
+so payload k+1 streams while payload k lands. A header that fails validation, or names a
+transfer not reserved here (kvtransfer.landing), closes the channel before any payload
+buffer is allocated or recv posted: no byte of that payload moves.
 """
 
 from __future__ import annotations
@@ -132,7 +133,10 @@ class ChannelReader:
             if header.kind is not Kind.LAYER:
                 self._queue.put(Delivery(header))
                 continue
-            delivery = self.owner.claim(self.source, self.channel, header)
+            try:  # entries must match reservations before a single buffer is allocated
+                delivery = self.owner.claim(self.source, self.channel, header)
+            except HeaderError as e:
+                raise self._refuse(e) from None
             with self._lock:
                 self._deliveries[id(delivery)] = delivery
             try:
@@ -150,10 +154,14 @@ class ChannelReader:
                 raise HeaderError(f"header seq {header.seq}, expected {seq}: a message was lost")
             return header
         except HeaderError as e:
-            code = ErrorCode.LAYOUT_MISMATCH if isinstance(e, LayoutMismatchError) else (
-                ErrorCode.PROTOCOL)
-            self.channel.close(f"receiver refused a header: {e}", code)
-            raise TransferError(f"{self.source.key} sent a bad header: {e}", code) from None
+            raise self._refuse(e) from None
+
+    def _refuse(self, error: HeaderError) -> TransferError:
+        """Close the channel (no byte of the refused message moves) and say why."""
+        code = ErrorCode.LAYOUT_MISMATCH if isinstance(error, LayoutMismatchError) else (
+            ErrorCode.PROTOCOL)
+        self.channel.close(f"receiver refused a header: {error}", code)
+        return TransferError(f"{self.source.key} sent a bad header: {error}", code)
 
     def _land(self) -> None:
         while (delivery := self._queue.get()) is not None:

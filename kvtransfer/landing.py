@@ -8,8 +8,11 @@ the reservations) and builds the recv targets, in wire order:
                this rank's whole head range and its destination blocks are consecutive
                (`direct`: no copy at all), else a pooled staging buffer that is unpacked
 
-Entries nobody wants (unknown, cancelled, failed) are received into staging and dropped, so
-the stream stays aligned without touching the cache.
+Every entry must name a transfer reserved here, from this sender, within the reserved heads
+and blocks, or the whole message is refused before anything is claimed or allocated (the
+channel closes): a peer can't make the receiver allocate staging beyond its reservations.
+Entries no longer wanted (cancelled, failed, a duplicate) are received into staging and
+dropped, so the stream stays aligned without touching the cache.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 from pdserve.kvtransfer.channel import Op
 from pdserve.kvtransfer.descriptor import Endpoint
 from pdserve.kvtransfer.errors import ErrorCode, TransferError
-from pdserve.kvtransfer.header import MessageHeader, TransferSlice
+from pdserve.kvtransfer.header import HeaderError, MessageHeader, TransferSlice
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.reservation import Reservation, TransferState
 from pdserve.kvtransfer.staging import BufferPool
@@ -81,7 +84,11 @@ class Landing:
         header: MessageHeader, fail: FailFn,
     ) -> Delivery:
         """Claim the wanted entries of a LAYER header (arriving on `channel`) and build its
-        recv targets. A transfer with a claim on a channel fails if that channel is lost."""
+        recv targets. A transfer with a claim on a channel fails if that channel is lost.
+        Raises HeaderError, with nothing claimed or allocated, if any entry is not reserved."""
+        why = self.refusal(transfers, source, header)
+        if why is not None:
+            raise HeaderError(f"refused before receiving: {why}")
         delivery, position = Delivery(header), 0
         full = (header.head_start, header.head_end) == (self.head_start, self.head_end)
         for index, entry in enumerate(header.transfers):
@@ -97,17 +104,31 @@ class Landing:
         self._targets(delivery)
         return delivery
 
+    @staticmethod
+    def refusal(transfers: dict[bytes, Reservation], source: Endpoint,
+                header: MessageHeader) -> str | None:
+        """Why no byte of this message may be received, or None: an entry names a transfer
+        not reserved here (pending or a tombstone), one `source` does not send, or cells
+        outside its reservation. Checks sizes only: a header can't make us allocate more."""
+        for index, entry in enumerate(header.transfers):
+            res, tid = transfers.get(entry.transfer_id), entry.transfer_id.hex()
+            if res is None:
+                return f"entry {index} names transfer {tid}, which has no reservation here"
+            if source.key not in res.source_keys:
+                return f"entry {index}: {source.key} is not a source of transfer {tid}"
+            why = res.fits(header.head_start, header.head_end, entry.block_offset,
+                           entry.num_blocks)
+            if why is not None:
+                return f"entry {index} (transfer {tid}): {why}"
+        return None
+
     def _wanted(
         self, transfers: dict[bytes, Reservation], source: Endpoint, header: MessageHeader,
         entry: TransferSlice, fail: FailFn,
     ) -> Reservation | None:
-        res = transfers.get(entry.transfer_id)
-        if res is None or res.state is not TransferState.PENDING:
-            return None  # unknown, cancelled or failed: received into staging, dropped
-        if source.key not in res.source_keys:
-            logger.warning("%s sent blocks of transfer %s it is not a source of: dropped",
-                           source.key, entry.transfer_id.hex())
-            return None
+        res = transfers[entry.transfer_id]  # `refusal` checked it is there
+        if res.state is not TransferState.PENDING:
+            return None  # cancelled or failed: received into staging, dropped
         if res.expired:
             fail(res, TransferError(f"transfer of {res.descriptor.request_id!r} expired: a "
                                     "message for it came after its deadline", ErrorCode.DEADLINE))

@@ -7,13 +7,15 @@ when it times out, `abort()` — so headers, validation, packing, unpacking, dea
 channel failures run the production code paths.
 
     hub = LoopbackHub()
-    receiver = KVReceiver(layout, hub.listener(endpoint), dest_tp, kv_caches)
-    sender = KVSender(layout, hub.connector(source), source_tp, kv_caches)
+    receiver = KVReceiver(layout, hub.listener(endpoint, secret=secret), dest_tp, kv_caches)
+    sender = KVSender(layout, hub.connector(source, secret=secret), source_tp, kv_caches)
+
+The handshake is the real one (kvtransfer.handshake), signed and verified with each side's
+own secret, so a connector holding another secret is refused here as over gloo.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 from collections import deque
@@ -21,19 +23,21 @@ from datetime import timedelta
 
 import torch
 
+from pdserve.cluster_secret import ClusterSecret
 from pdserve.kvtransfer.channel import RECEIVER, SENDER, PairChannel
-from pdserve.kvtransfer.connector import (
-    AcceptFn,
-    ChannelFn,
-    Connector,
-    ConnectRequest,
-    Listener,
-    check_request,
-    decode_answer,
-    encode_answer,
-)
+from pdserve.kvtransfer.connector import AcceptFn, ChannelFn, Connector, Listener
 from pdserve.kvtransfer.descriptor import Endpoint
 from pdserve.kvtransfer.errors import ErrorCode, TransferError
+from pdserve.kvtransfer.handshake import (
+    ConnectRequest,
+    HandshakeRefused,
+    ReplayGuard,
+    check_answer,
+    check_request,
+    check_secret,
+    encode_answer,
+    open_request,
+)
 from pdserve.kvtransfer.layout import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -137,14 +141,13 @@ class LoopbackHub:
     def __init__(self) -> None:
         self._listeners: dict[str, LoopbackListener] = {}
         self._lock = threading.Lock()
-        self._ids = itertools.count()
         self.reasons = _DictReasons()
 
-    def listener(self, endpoint: Endpoint) -> LoopbackListener:
-        return LoopbackListener(self, endpoint)
+    def listener(self, endpoint: Endpoint, *, secret: ClusterSecret) -> LoopbackListener:
+        return LoopbackListener(self, endpoint, secret=secret)
 
-    def connector(self, source: Endpoint) -> LoopbackConnector:
-        return LoopbackConnector(self, source)
+    def connector(self, source: Endpoint, *, secret: ClusterSecret) -> LoopbackConnector:
+        return LoopbackConnector(self, source, secret=secret)
 
     def _register(self, listener: LoopbackListener) -> None:
         with self._lock:
@@ -162,8 +165,9 @@ class LoopbackHub:
 
 
 class LoopbackListener(Listener):
-    def __init__(self, hub: LoopbackHub, endpoint: Endpoint) -> None:
+    def __init__(self, hub: LoopbackHub, endpoint: Endpoint, *, secret: ClusterSecret) -> None:
         self.endpoint, self._hub = endpoint, hub
+        self._secret, self._replays = check_secret(secret), ReplayGuard()
         self._callbacks: tuple[AcceptFn, ChannelFn] | None = None
 
     def listen(self, accept: AcceptFn, on_channel: ChannelFn) -> None:
@@ -173,19 +177,35 @@ class LoopbackListener(Listener):
     def close(self) -> None:
         self._hub._unregister(self)
 
+    def answer(self, raw: bytes) -> tuple[bytes | None, ConnectRequest | None]:
+        """The signed answer to an encoded request (None: unframed, nobody to tell), and the
+        request if it was accepted: the checks GlooListener makes."""
+        assert self._callbacks is not None
+        try:
+            request = open_request(raw, self._secret, self._replays, self.endpoint)
+        except HandshakeRefused as e:
+            logger.warning("refused a peer on %s: %s", self.endpoint.key, e)
+            refused = None if e.nonce is None else encode_answer(self._secret, e.nonce,
+                                                                 (e.code, str(e)))
+            return refused, None
+        refusal = check_request(self._callbacks[0], request)
+        return (encode_answer(self._secret, request.nonce, refusal),
+                request if refusal is None else None)
+
 
 class LoopbackConnector(Connector):
-    def __init__(self, hub: LoopbackHub, source: Endpoint) -> None:
+    def __init__(self, hub: LoopbackHub, source: Endpoint, *, secret: ClusterSecret) -> None:
         super().__init__(source)
-        self._hub = hub
+        self._hub, self._secret = hub, check_secret(secret)
 
     def _open(self, dest: Endpoint, layout: KVLayout) -> PairChannel:
         listener = self._hub._find(dest)
         if listener is None or listener._callbacks is None:
             raise TransferError(f"no receiver listens at {dest.key}", ErrorCode.PEER_LOST)
-        accept, on_channel = listener._callbacks
-        request = ConnectRequest(self.source, f"{next(self._hub._ids):032x}", layout)
-        decode_answer(encode_answer(check_request(accept, request)), dest)
+        on_channel = listener._callbacks[1]
+        request = ConnectRequest(self.source, dest, layout)
+        answer, _ = listener.answer(request.encode(self._secret))
+        check_answer(self._secret, request.nonce, answer or b"", dest)
         name = f"loopback/{dest.key}/{request.nonce}"
         control, data = _Link(), _Link()
         theirs = PairChannel(LoopbackGroup(control, RECEIVER), LoopbackGroup(data, RECEIVER),

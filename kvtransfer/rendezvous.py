@@ -1,24 +1,32 @@
 """Channels over torch.distributed from a TCPStore rendezvous, with no global world.
 
 Every decode rank listens on an endpoint (host, port, rank): a TCPStore it hosts itself
-(`GlooListener(host)`, port 0 = any free port, read back from `.endpoint`), or the store of
-its TP rank 0 (`GlooListener(host, rank=r, port=p, host_store=False)`); keys are namespaced
-by rank. The hosted store listens on `host` only (a socket bound here and handed to TCPStore:
-by default TCPStore listens on every interface). Nothing read from the store is unpickled.
+(`GlooListener(host, secret=...)`, port 0 = any free port, read back from `.endpoint`), or
+the store of its TP rank 0 (`GlooListener(host, rank=r, port=p, host_store=False, ...)`);
+keys are namespaced by rank. The hosted store listens on `host` only (a socket bound here and
+handed to TCPStore: by default TCPStore listens on every interface). Nothing read from the
+store is unpickled, and nothing read from it is trusted before its HMAC checked out.
 
-Handshake (keys under `pdkv/v1/<rank>/`):
-    sender    n = add("n", 1); set("req/<n>", ConnectRequest JSON); wait("ack/<nonce>")
-    receiver  in order, polls "req/<k>", answers "ok" or "refused:<code>:<reason>"
-    both      control group  ProcessGroupGloo(PrefixStore(".../pair/<nonce>/c"), 0|1, 2)
-              data group     the same under ".../d", or ProcessGroupNCCL on CUDA
-The sender is rank 0, the receiver rank 1. A closed channel leaves its reason at
-".../pair/<nonce>/reason" for the other side's error message.
+Handshake (keys under `pdkv/v2/<rank>/`, messages of kvtransfer.handshake):
+    sender    queue_push("q", signed ConnectRequest); wait("ack/<nonce>") (bounded)
+    receiver  accept thread: pops "q", verifies, answers a signed "ok" or
+              "refused:<code>:<reason>" at "ack/<nonce>"; never blocks on a peer
+    both      control group  ProcessGroupGloo(PrefixStore(pair_name(nonce) + "/c"), 0|1, 2)
+              data group     the same under "/d", or ProcessGroupNCCL on CUDA
+The receiver forms each pair's groups in a thread of its own (at most
+`max_pending_handshakes` at once, each bounded by the connect timeout), so a peer that
+posts a request and never joins delays nobody else. The sender is rank 0, the receiver rank
+1. A closed channel leaves its reason at "<pair>/reason" for the other side's error message.
+
+What the store cannot give: TCPStore and gloo have no authentication of their own. Anyone
+who reaches the port can still read, pop or overwrite store keys (a denial of service, not a
+channel: a request or answer they make is refused for its signature) — keep KV ports on the
+cluster network (docs/security.md).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 import time
@@ -28,29 +36,35 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pdserve.cluster_secret import ClusterSecret
 from pdserve.kvtransfer.channel import RECEIVER, SENDER, PairChannel
-from pdserve.kvtransfer.connector import (
-    AcceptFn,
-    ChannelFn,
-    Connector,
-    ConnectRequest,
-    Listener,
-    check_request,
-    decode_answer,
-    encode_answer,
-)
+from pdserve.kvtransfer.connector import AcceptFn, ChannelFn, Connector, Listener
 from pdserve.kvtransfer.descriptor import Endpoint
 from pdserve.kvtransfer.errors import ErrorCode, TransferError
+from pdserve.kvtransfer.handshake import (
+    ConnectRequest,
+    HandshakeRefused,
+    ReplayGuard,
+    check_answer,
+    check_request,
+    check_secret,
+    encode_answer,
+    open_request,
+    pair_name,
+)
 from pdserve.kvtransfer.layout import KVLayout
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.02  # how often the accept loop looks for a connect request
 MAX_REASON_CHARS = 1024
+MAX_PENDING_HANDSHAKES = 16  # accepted peers whose groups are still forming
+CLOSE_JOIN_S = 1.0
 
 
-def _prefix(rank: int) -> str:
-    return f"pdkv/v1/{rank}"
+def store_prefix(rank: int) -> str:
+    """Where a rank's handshake keys live in the store (the request queue is "<prefix>/q")."""
+    return f"pdkv/v2/{rank}"
 
 
 class StoreReasons:
@@ -103,26 +117,26 @@ class GlooConnector(Connector):
     """Sender side over TCPStore rendezvous; one store client per destination store."""
 
     def __init__(self, source: Endpoint, device: torch.device | str = "cpu",
-                 connect_timeout_s: float = 10.0) -> None:
+                 connect_timeout_s: float = 10.0, *, secret: ClusterSecret) -> None:
         super().__init__(source)
         self.device = torch.device(device)
         self.timeout = timedelta(seconds=connect_timeout_s)
+        self._secret = check_secret(secret)
         self._stores: dict[tuple[str, int], tuple[dist.TCPStore, StoreReasons]] = {}
 
     def _open(self, dest: Endpoint, layout: KVLayout) -> PairChannel:
+        prefix = store_prefix(dest.rank)
+        request = ConnectRequest(self.source, dest, layout)
+        ack = f"{prefix}/ack/{request.nonce}"
+        name = pair_name(self._secret, prefix, request.nonce)
         try:
             store, reasons = self._store(dest)
-            nonce = os.urandom(16).hex()
-            prefix = _prefix(dest.rank)
-            request = ConnectRequest(self.source, nonce, layout)
             with reasons.lock:  # the client is not safe for concurrent blocking calls
-                n = store.add(f"{prefix}/n", 1)
-                store.set(f"{prefix}/req/{n}", request.encode())
-                store.wait([f"{prefix}/ack/{nonce}"], self.timeout)
-                answer = store.get(f"{prefix}/ack/{nonce}")
-                store.delete_key(f"{prefix}/ack/{nonce}")
-                decode_answer(answer, dest)
-                name = f"{prefix}/pair/{nonce}"
+                store.queue_push(f"{prefix}/q", request.encode(self._secret))
+                store.wait([ack], self.timeout)
+                answer = store.get(ack)
+                store.delete_key(ack)
+                check_answer(self._secret, request.nonce, answer, dest)
                 control, data = make_groups(store, name, SENDER, self.source.host, self.device,
                                             self.timeout)
         except RuntimeError as e:  # DistStoreError, gloo connect errors (TransferError passes)
@@ -150,10 +164,17 @@ class GlooListener(Listener):
 
     def __init__(
         self, host: str = "127.0.0.1", rank: int = 0, port: int = 0, host_store: bool = True,
-        device: torch.device | str = "cpu", connect_timeout_s: float = 10.0,
+        device: torch.device | str = "cpu", connect_timeout_s: float = 10.0, *,
+        secret: ClusterSecret, max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
     ) -> None:
+        if type(max_pending_handshakes) is not int or max_pending_handshakes < 1:
+            raise ValueError(f"max_pending_handshakes must be an int >= 1, "
+                             f"got {max_pending_handshakes!r}")
         self.host, self.device = host, torch.device(device)
         self.timeout = timedelta(seconds=connect_timeout_s)
+        self._secret, self._replays = check_secret(secret), ReplayGuard()
+        self.max_pending_handshakes = max_pending_handshakes
+        self._slots = threading.BoundedSemaphore(max_pending_handshakes)
         self._master: dist.TCPStore | None = None
         if host_store:
             sock = socket.create_server((host, port), backlog=128)
@@ -162,12 +183,13 @@ class GlooListener(Listener):
             self._master = dist.TCPStore(host, port, None, True, timeout=self.timeout,
                                          wait_for_workers=False, master_listen_fd=sock.detach())
         self.endpoint = Endpoint(host, port, rank)
-        self._prefix = _prefix(rank)
+        self._prefix = store_prefix(rank)
         self._accept_store = _client(host, port, self.timeout)  # only the accept thread
         self._reason_store = _client(host, port, self.timeout)  # never blocked on
         self.reasons = StoreReasons(self._reason_store)
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
+        self._joins: list[threading.Thread] = []  # handshake threads (accept thread only)
 
     def listen(self, accept: AcceptFn, on_channel: ChannelFn) -> None:
         self._thread = threading.Thread(target=self._loop, args=(accept, on_channel),
@@ -181,52 +203,76 @@ class GlooListener(Listener):
             if self._thread.is_alive():
                 logger.warning("accept thread of %s did not stop", self.endpoint.key)
         self._master = None  # the server stops with its last reference
+        end = time.monotonic() + CLOSE_JOIN_S  # a forming group ends by its own timeout
+        for t in self._joins:
+            t.join(max(end - time.monotonic(), 0.0))
 
     def _loop(self, accept: AcceptFn, on_channel: ChannelFn) -> None:
-        # Polls with check() instead of blocking in wait(): a timed-out TCPStore wait logs a
-        # C++ warning each time, and the Event makes close() immediate.
-        store, k, since = self._accept_store, 1, time.monotonic()
+        # Polls without blocking: a timed-out TCPStore wait logs a C++ warning each time, and
+        # the Event makes close() immediate. Nothing here waits on a peer.
+        store, queue = self._accept_store, f"{self._prefix}/q"
         while not self._closing.wait(POLL_S):
-            key = f"{self._prefix}/req/{k}"
-            try:
-                if not store.check([key]):
-                    # A sender that took a number and died leaves a hole: skip it after a while.
-                    if time.monotonic() - since > self.timeout.total_seconds() and store.add(
-                            f"{self._prefix}/n", 0) > k:
-                        logger.warning("skipping connect request %d of %s: never written", k,
-                                       self.endpoint.key)
-                        k, since = k + 1, time.monotonic()
-                    continue
-                raw = store.get(key)
-                store.delete_key(key)
-            except RuntimeError as e:  # the store's host (TP rank 0) is gone
-                logger.error("rendezvous store of %s failed, accepting no more channels: %s",
-                             self.endpoint.key, e)
-                return
-            k, since = k + 1, time.monotonic()
-            self._handle(raw, accept, on_channel)
+            while not self._closing.is_set():
+                try:
+                    raw = store.queue_pop(queue, block=False)
+                except dist.QueueEmptyError:
+                    break
+                except RuntimeError as e:  # the store's host (TP rank 0) is gone
+                    logger.error("rendezvous store of %s failed, accepting no more "
+                                 "channels: %s", self.endpoint.key, e)
+                    return
+                try:
+                    self._handle(raw, accept, on_channel)
+                except Exception:  # noqa: BLE001 - one bad request must not end accepting
+                    logger.exception("connect request on %s failed", self.endpoint.key)
 
     def _handle(self, raw: bytes, accept: AcceptFn, on_channel: ChannelFn) -> None:
-        try:
-            request = ConnectRequest.decode(raw)
-        except ValueError as e:
-            logger.warning("ignoring a malformed connect request on %s: %s",
-                           self.endpoint.key, e)
+        try:  # authenticated and well-formed before anything else happens
+            request = open_request(raw, self._secret, self._replays, self.endpoint)
+        except HandshakeRefused as e:
+            self._answer(e.nonce, (e.code, str(e)), "a peer")
             return
         refusal = check_request(accept, request)
-        store = self._accept_store
-        store.set(f"{self._prefix}/ack/{request.nonce}", encode_answer(refusal))
+        if refusal is None and not self._slots.acquire(blocking=False):
+            refusal = (ErrorCode.PEER_LOST, f"{self.max_pending_handshakes} channel "
+                       "handshakes are already pending here: try again")
         if refusal is not None:
-            logger.warning("refused %s on %s: %s", request.source.key, self.endpoint.key,
-                           refusal[1])
+            self._answer(request.nonce, refusal, request.source.key)
             return
-        name = f"{self._prefix}/pair/{request.nonce}"
+        try:
+            store = self._accept_store.clone()  # the group's own client: blocks in its thread
+            self._answer(request.nonce, None, request.source.key)
+            thread = threading.Thread(target=self._join, args=(request, store, on_channel),
+                                      name=f"kv-join-{request.source.key}", daemon=True)
+            thread.start()
+        except BaseException:
+            self._slots.release()
+            raise
+        self._joins = [t for t in self._joins if t.is_alive()] + [thread]
+
+    def _answer(self, nonce: str | None, refusal: tuple[ErrorCode, str] | None,
+                who: str) -> None:
+        if refusal is not None:
+            logger.warning("refused %s on %s: %s", who, self.endpoint.key, refusal[1])
+        if nonce is not None:  # else there is no one to tell: unframed bytes
+            self._accept_store.set(f"{self._prefix}/ack/{nonce}",
+                                   encode_answer(self._secret, nonce, refusal))
+
+    def _join(self, request: ConnectRequest, store: dist.Store, on_channel: ChannelFn) -> None:
+        """One accepted peer's groups, bounded by the connect timeout; then its channel."""
+        name = pair_name(self._secret, self._prefix, request.nonce)
         try:
             control, data = make_groups(store, name, RECEIVER, self.host, self.device,
                                         self.timeout)
         except RuntimeError as e:
             logger.warning("channel from %s never came up: %s", request.source.key, e)
             return
-        on_channel(request.source, PairChannel(
-            control, data, rank=RECEIVER, name=name, peer_key=request.source.key,
-            reasons=self.reasons, device=self.device))
+        finally:
+            self._slots.release()
+        channel = PairChannel(control, data, rank=RECEIVER, name=name,
+                              peer_key=request.source.key, reasons=self.reasons,
+                              device=self.device)
+        if self._closing.is_set():
+            channel.close("receiver shut down", ErrorCode.SHUTDOWN)
+            return
+        on_channel(request.source, channel)

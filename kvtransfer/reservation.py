@@ -69,15 +69,24 @@ class Reservation:
     def expired(self) -> bool:
         return time.time() >= self.descriptor.deadline
 
-    def check_slice(self, layer: int, head_start: int, head_end: int, offset: int,
-                    num_blocks: int) -> str | None:
-        """Why this slice can't be written, or None."""
+    def fits(self, head_start: int, head_end: int, offset: int, num_blocks: int) -> str | None:
+        """Why this slice is outside what was reserved, or None: checked for every entry of a
+        message before any buffer is allocated for it, so a peer can't make the receiver
+        allocate more than its reservations."""
         if not self.head_start <= head_start < head_end <= self.head_end:
             return (f"heads [{head_start}, {head_end}) are not within this rank's "
                     f"[{self.head_start}, {self.head_end})")
         if offset + num_blocks > self.dst_ids.shape[0]:
             return (f"blocks [{offset}, {offset + num_blocks}) overrun the "
                     f"{self.dst_ids.shape[0]} reserved blocks")
+        return None
+
+    def check_slice(self, layer: int, head_start: int, head_end: int, offset: int,
+                    num_blocks: int) -> str | None:
+        """Why this slice can't be written, or None."""
+        why = self.fits(head_start, head_end, offset, num_blocks)
+        if why is not None:
+            return why
         cells = self._cells(layer, head_start, head_end, offset, num_blocks)
         if bool(cells.any()):
             return f"layer {layer} blocks [{offset}, {offset + num_blocks}) arrived twice"

@@ -29,6 +29,7 @@ class BufferPool:
         self.max_bytes = max_bytes
         self._free: dict[tuple[int, torch.device], list[torch.Tensor]] = defaultdict(list)
         self._kept = 0
+        self.allocated_nbytes = 0  # fresh buffers ever made (tests check what a peer caused)
         self._lock = threading.Lock()
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype,
@@ -43,6 +44,8 @@ class BufferPool:
             raw = free.pop() if free else None
             if raw is not None:
                 self._kept -= nbytes
+            else:
+                self.allocated_nbytes += nbytes
         if raw is None:
             raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return raw.view(dtype).view(shape)

@@ -6,10 +6,14 @@ import time
 
 import torch
 
+from pdserve.cluster_secret import ClusterSecret
 from pdserve.kvtransfer.descriptor import Endpoint, TransferDescriptor
 from pdserve.kvtransfer.layout import KVLayout
 
 Caches = list[tuple[torch.Tensor, torch.Tensor]]
+
+# The cluster secret every test peer holds (subprocess peers get it through their environment).
+SECRET = ClusterSecret.generate()
 
 TINY = KVLayout("tiny-llama", "float32", block_size=4, num_layers=3, num_kv_heads=4, head_dim=8)
 

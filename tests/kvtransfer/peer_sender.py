@@ -6,7 +6,8 @@ Run as `python -m tests.kvtransfer.peer_sender` with a JSON config on stdin:
      "mode": "all" | "stall", "stall_s": float}
 "all" pushes every layer then DONE, prints "done" and exits 0. "stall" pushes every layer but
 the last, prints "stalled" and sleeps (the fault test kills it there), exiting by itself after
-stall_s. stdout carries only those status lines.
+stall_s. stdout carries only those status lines. The cluster secret comes from the
+environment ($PDSERVE_CLUSTER_SECRET), as a worker's does.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 def main() -> int:
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    from pdserve.cluster_secret import ClusterSecret
     from pdserve.kvtransfer import Endpoint, GlooConnector, KVLayout, KVSender, TransferDescriptor
     from tests.kvtransfer.kvdata import full_caches
 
@@ -29,7 +31,8 @@ def main() -> int:
     layout = KVLayout(**cfg["layout"])
     source = Endpoint(*cfg["source"])
     caches = full_caches(layout, cfg["num_blocks"], cfg["seed"])
-    sender = KVSender(layout, GlooConnector(source, connect_timeout_s=10), 1, caches)
+    connector = GlooConnector(source, connect_timeout_s=10, secret=ClusterSecret.from_env())
+    sender = KVSender(layout, connector, 1, caches)
     batch = [(TransferDescriptor.decode(d), src) for d, src in cfg["transfers"]]
     plans = sender.plan(batch)
     last = layout.num_layers if cfg["mode"] == "all" else layout.num_layers - 1

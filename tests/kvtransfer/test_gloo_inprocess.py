@@ -18,6 +18,7 @@ from pdserve.kvtransfer import (
 )
 from pdserve.kvtransfer.header import Kind, TransferSlice
 from tests.kvtransfer.kvdata import (
+    SECRET,
     TINY,
     assert_landed,
     descriptor,
@@ -32,13 +33,14 @@ SOURCE = endpoints(1000, 1)
 @pytest.fixture
 def rig():
     """One prefill rank (TP=1) -> two decode ranks (TP=2) sharing rank 0's store."""
-    rank0 = GlooListener("127.0.0.1", rank=0, connect_timeout_s=5)
+    rank0 = GlooListener("127.0.0.1", rank=0, connect_timeout_s=5, secret=SECRET)
     rank1 = GlooListener("127.0.0.1", rank=1, port=rank0.endpoint.port, host_store=False,
-                         connect_timeout_s=5)
+                         connect_timeout_s=5, secret=SECRET)
     dests = [zero_caches(TINY, 16, 2), zero_caches(TINY, 16, 2)]
     receivers = [KVReceiver(TINY, lst, 2, caches) for lst, caches in zip((rank0, rank1), dests)]
     source = full_caches(TINY, 12, seed=5)
-    sender = KVSender(TINY, GlooConnector(SOURCE[0], connect_timeout_s=5), 1, source)
+    sender = KVSender(TINY, GlooConnector(SOURCE[0], connect_timeout_s=5, secret=SECRET), 1,
+                      source)
     yield sender, receivers, source, dests
     sender.close()
     for r in reversed(receivers):  # rank 0 hosts the store the others poll: last
@@ -72,7 +74,7 @@ def test_round_trip_over_gloo(rig) -> None:
 def test_layout_mismatch_refused_at_the_handshake(rig) -> None:
     _, receivers, _, dests = rig
     other = dataclasses.replace(TINY, model="another-model")
-    liar = KVSender(other, GlooConnector(SOURCE[0], connect_timeout_s=5), 1,
+    liar = KVSender(other, GlooConnector(SOURCE[0], connect_timeout_s=5, secret=SECRET), 1,
                     full_caches(other, 12, seed=6))
     desc = descriptor(TINY, SOURCE, _dests(receivers), [1, 2])
     for r in receivers:
@@ -154,11 +156,12 @@ def test_receiver_close_reaches_the_sender_with_its_reason(rig) -> None:
 
 def test_zero_copy_both_ends_over_gloo() -> None:
     """TP=1 -> TP=1, consecutive blocks on both sides: sent from and received into the cache."""
-    listener = GlooListener("127.0.0.1", connect_timeout_s=5)
+    listener = GlooListener("127.0.0.1", connect_timeout_s=5, secret=SECRET)
     dest = zero_caches(TINY, 16, 4)
     rx = KVReceiver(TINY, listener, 1, dest)
     source = full_caches(TINY, 12, seed=8)
-    tx = KVSender(TINY, GlooConnector(SOURCE[0], connect_timeout_s=5), 1, source)
+    tx = KVSender(TINY, GlooConnector(SOURCE[0], connect_timeout_s=5, secret=SECRET), 1,
+                  source)
     try:
         descs = [descriptor(TINY, SOURCE, [listener.endpoint], list(range(3, 9))),
                  descriptor(TINY, SOURCE, [listener.endpoint], [12, 10])]  # staged

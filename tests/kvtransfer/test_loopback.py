@@ -10,6 +10,7 @@ import torch
 
 from pdserve.kvtransfer import ErrorCode, KVReceiver, KVSender, LoopbackHub, TransferError
 from tests.kvtransfer.kvdata import (
+    SECRET,
     TINY,
     assert_landed,
     descriptor,
@@ -34,10 +35,12 @@ class Cluster:
         for ep, (h0, h1) in zip(self.dst_eps, layout.head_ranges(d)):
             caches = zero_caches(layout, DST_BLOCKS, h1 - h0)
             self.dest_caches.append(caches)
-            self.receivers.append(KVReceiver(layout, self.hub.listener(ep), d, caches))
+            self.receivers.append(
+                KVReceiver(layout, self.hub.listener(ep, secret=SECRET), d, caches))
         slayout = sender_layout or layout
         self.senders = [
-            KVSender(slayout, self.hub.connector(ep), p, shard(self.source, h0, h1))
+            KVSender(slayout, self.hub.connector(ep, secret=SECRET), p,
+                     shard(self.source, h0, h1))
             for ep, (h0, h1) in zip(self.src_eps, slayout.head_ranges(p))]
 
     def expect(self, dst_blocks: list[int], ttl: float = 30.0, name: str = "r"):
@@ -229,8 +232,8 @@ def test_big_batches_split_into_several_plans() -> None:
     src, dst = endpoints(1, 1), endpoints(2, 1)
     caches = full_caches(layout, 300, seed=3)
     rx_caches = zero_caches(layout, 300, 4)
-    rx = KVReceiver(layout, hub.listener(dst[0]), 1, rx_caches)
-    tx = KVSender(layout, hub.connector(src[0]), 1, caches)
+    rx = KVReceiver(layout, hub.listener(dst[0], secret=SECRET), 1, rx_caches)
+    tx = KVSender(layout, hub.connector(src[0], secret=SECRET), 1, caches)
     descs = [descriptor(layout, src, dst, [i]) for i in range(300)]
     for d in descs:
         rx.expect(d)
@@ -306,3 +309,24 @@ def test_cancel_waits_for_a_direct_write_in_flight() -> None:
     assert 0.25 < time.time() - t0 < 1.5 and res.inflight == 0
     assert rx.poll().failed == ()  # cancel() itself handed the blocks back
     c.close()
+
+
+def test_loopback_handshake_needs_the_same_secret() -> None:
+    """The in-process path runs the signed handshake too: another secret gets no channel."""
+    from pdserve.cluster_secret import ClusterSecret
+
+    hub = LoopbackHub()
+    src, dst = endpoints(1, 1), endpoints(2, 1)
+    rx = KVReceiver(TINY, hub.listener(dst[0], secret=SECRET), 1, zero_caches(TINY, 4, 4))
+    intruder = KVSender(TINY, hub.connector(src[0], secret=ClusterSecret.generate()), 1,
+                        full_caches(TINY, 4, seed=1))
+    desc = descriptor(TINY, src, dst, [0])
+    rx.expect(desc)
+    with pytest.raises(TransferError) as e:
+        intruder.push_layer(0, intruder.plan([(desc, [0])])[0])
+    assert e.value.code is ErrorCode.UNAUTHENTICATED
+    assert rx.pending() == 1  # nothing reached the receiver's transfers
+    with pytest.raises(ValueError, match="ClusterSecret"):
+        hub.connector(src[0], secret="not-a-secret")
+    intruder.close()
+    rx.close()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.kvtransfer import ErrorCode, GlooListener, KVLayout, KVReceiver, TransferError
-from tests.kvtransfer.kvdata import assert_landed, descriptor, full_caches, zero_caches
+from tests.kvtransfer.kvdata import SECRET, assert_landed, descriptor, full_caches, zero_caches
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUT = KVLayout("tiny-llama", "float32", block_size=16, num_layers=4, num_kv_heads=4,
@@ -24,7 +24,7 @@ SEED, SRC_BLOCKS = 11, 24
 
 
 def start_peer(config: dict) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **SECRET.to_env())
     proc = subprocess.Popen([sys.executable, "-m", "tests.kvtransfer.peer_sender"], cwd=REPO,
                             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdin is not None
@@ -54,8 +54,9 @@ def config(transfers, mode: str) -> dict:
 
 def test_two_processes_move_exact_bytes_with_resharding() -> None:
     """Prefill TP=1 in another process -> decode TP=2 here (two ranks, one shared store)."""
-    rank0 = GlooListener("127.0.0.1", rank=0)
-    rank1 = GlooListener("127.0.0.1", rank=1, port=rank0.endpoint.port, host_store=False)
+    rank0 = GlooListener("127.0.0.1", rank=0, secret=SECRET)
+    rank1 = GlooListener("127.0.0.1", rank=1, port=rank0.endpoint.port, host_store=False,
+                         secret=SECRET)
     dests = [zero_caches(LAYOUT, 32, 2), zero_caches(LAYOUT, 32, 2)]
     receivers = [KVReceiver(LAYOUT, lst, 2, c) for lst, c in zip((rank0, rank1), dests)]
     requests = [(list(range(0, 8)), list(range(24, 32))), ([8, 9, 10], [3, 1, 2]),
@@ -83,7 +84,7 @@ def test_two_processes_move_exact_bytes_with_resharding() -> None:
 
 
 def test_sender_killed_mid_push_fails_the_receiver_fast() -> None:
-    listener = GlooListener("127.0.0.1")
+    listener = GlooListener("127.0.0.1", secret=SECRET)
     dest = zero_caches(LAYOUT, 32, 4)
     rx = KVReceiver(LAYOUT, listener, 1, dest)
     desc = descriptor(LAYOUT, [listener.endpoint.__class__(*SOURCE)], [listener.endpoint],
