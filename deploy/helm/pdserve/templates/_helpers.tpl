@@ -102,9 +102,9 @@ app.kubernetes.io/component: router
 {{/* The `pdserve up --config` YAML: .Values.pdserve plus the keys the chart owns. */}}
 {{- define "pdserve.settings" -}}
 {{- $s := deepCopy (.Values.pdserve | default dict) -}}
-{{- range $k := list "prefill_workers" "decode_workers" "decode_tp" "host" "port" "metrics_port" "http_port" "ray_address" "worker_host" "redis_url" "redis_password" -}}
+{{- range $k := list "prefill_workers" "decode_workers" "decode_tp" "host" "port" "metrics_port" "http_port" "ray_address" "worker_host" "redis_url" "redis_password" "api_token" "api_token_file" "tls_cert" "tls_key" "tls_client_ca" "cluster_tls_cert" "cluster_tls_key" "cluster_tls_ca" -}}
 {{- if hasKey $s $k -}}
-{{- fail (printf "pdserve.%s is set by the chart: use prefill.*, decode.*, router.* or redis.* instead" $k) -}}
+{{- fail (printf "pdserve.%s is set by the chart: use prefill.*, decode.*, router.*, redis.*, apiToken.* or clusterTLS.* instead" $k) -}}
 {{- end -}}
 {{- end -}}
 {{- $_ := set $s "prefill_workers" (include "pdserve.prefillWorkers" . | int) -}}
@@ -113,6 +113,26 @@ app.kubernetes.io/component: router
 {{- $_ := set $s "port" (.Values.router.grpcPort | int) -}}
 {{- $_ := set $s "metrics_port" (.Values.router.metricsPort | int) -}}
 {{- $_ := set $s "http_port" (.Values.router.httpPort | int) -}}
+{{- /* Paths only: the files come from Secrets mounted by the router Deployment. */ -}}
+{{- if include "pdserve.apiTokenSecret" . -}}
+{{- $_ := set $s "api_token_file" (printf "%s/api-tokens" (include "pdserve.secretsDir" .)) -}}
+{{- end -}}
+{{- if .Values.router.tls.secretName -}}
+{{- $_ := set $s "tls_cert" (printf "%s/tls/tls.crt" (include "pdserve.secretsDir" .)) -}}
+{{- $_ := set $s "tls_key" (printf "%s/tls/tls.key" (include "pdserve.secretsDir" .)) -}}
+{{- end -}}
+{{- if .Values.router.tls.clientCASecretName -}}
+{{- if not .Values.router.tls.secretName -}}
+{{- fail "router.tls.clientCASecretName needs router.tls.secretName (the server's own certificate)" -}}
+{{- end -}}
+{{- $_ := set $s "tls_client_ca" (printf "%s/tls/client-ca.crt" (include "pdserve.secretsDir" .)) -}}
+{{- end -}}
+{{- if .Values.clusterTLS.secretName -}}
+{{- $dir := include "pdserve.clusterTLSDir" . -}}
+{{- $_ := set $s "cluster_tls_cert" (printf "%s/tls.crt" $dir) -}}
+{{- $_ := set $s "cluster_tls_key" (printf "%s/tls.key" $dir) -}}
+{{- $_ := set $s "cluster_tls_ca" (printf "%s/ca.crt" $dir) -}}
+{{- end -}}
 {{- toYaml $s -}}
 {{- end -}}
 
@@ -127,14 +147,88 @@ app.kubernetes.io/component: router
 {{- if .Values.redis.existingSecret -}}{{- .Values.redis.existingSecretKey -}}{{- else -}}redis-password{{- end -}}
 {{- end -}}
 
+{{/* The API tokens the chart itself holds: apiToken.value and apiToken.tokens, one a line. */}}
+{{- define "pdserve.apiTokens" -}}
+{{- $tokens := concat (list .Values.apiToken.value) (.Values.apiToken.tokens | default list) | compact -}}
+{{- range $tokens -}}
+{{- if or (regexMatch "\\s" (toString .)) (hasPrefix "#" (toString .)) -}}
+{{- fail "apiToken: a token may not contain whitespace nor start with # (the router reads one token a line, # lines are comments)" -}}
+{{- end -}}
+{{- end -}}
+{{- join "\n" $tokens -}}
+{{- end -}}
+
 {{- define "pdserve.apiTokenSecret" -}}
 {{- if .Values.apiToken.existingSecret -}}{{- .Values.apiToken.existingSecret -}}
-{{- else if .Values.apiToken.value -}}{{- include "pdserve.fullname" . -}}
+{{- else if include "pdserve.apiTokens" . -}}{{- include "pdserve.fullname" . -}}
 {{- end -}}
 {{- end -}}
 
 {{- define "pdserve.apiTokenKey" -}}
 {{- if .Values.apiToken.existingSecret -}}{{- .Values.apiToken.existingSecretKey -}}{{- else -}}api-token{{- end -}}
+{{- end -}}
+
+{{/* The cluster secret (worker plane): always present, the chart's own unless existing. */}}
+{{- define "pdserve.clusterSecretName" -}}
+{{- .Values.clusterSecret.existingSecret | default (include "pdserve.fullname" .) -}}
+{{- end -}}
+
+{{- define "pdserve.clusterSecretKey" -}}
+{{- if .Values.clusterSecret.existingSecret -}}{{- .Values.clusterSecret.existingSecretKey -}}{{- else -}}cluster-secret{{- end -}}
+{{- end -}}
+
+{{/* Where the router's Secrets are mounted (read-only files, never env or argv). */}}
+{{- define "pdserve.secretsDir" -}}/etc/pdserve/secrets{{- end -}}
+
+{{/* Secret material in router.extraArgs or as a literal in router.extraEnv: refused (argv
+     shows in `ps`; both show in the pod spec to anyone who may read Deployments). */}}
+{{- define "pdserve.checkNoLiteralSecrets" -}}
+{{- range .Values.router.extraEnv -}}
+{{- if and (has .name (list "PDSERVE_API_TOKEN" "PDSERVE_REDIS_PASSWORD" "PDSERVE_CLUSTER_SECRET")) (hasKey . "value") -}}
+{{- fail (printf "router.extraEnv: %s as a literal value; take it from a Secret (valueFrom.secretKeyRef) or use apiToken.*, redis.*, clusterSecret.*" .name) -}}
+{{- end -}}
+{{- end -}}
+{{- range .Values.router.extraArgs -}}
+{{- $a := toString . -}}
+{{- range $flag := list "--api-token" "--redis-password" -}}
+{{- if or (eq $a $flag) (hasPrefix (printf "%s=" $flag) $a) -}}
+{{- fail (printf "router.extraArgs: %s puts a secret on the command line; use apiToken.* or redis.* (a Secret) instead" $flag) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The router's probes (finding 12 of issue 16). Liveness is "the process is alive", never the
+serving status: the router is the Ray driver, so a restart kills every worker, and a decode
+worker restarting (NOT_SERVING meanwhile) must not cause one. Readiness is "can serve".
+The kubelet's gRPC probe speaks plaintext only, and no kubelet probe presents a client
+certificate, so with TLS the HTTP probes go over HTTPS and with mTLS only TCP is left.
+*/}}
+{{- define "pdserve.routerProbes" -}}
+{{- $r := .Values.router -}}
+{{- $tls := $r.tls.secretName -}}
+{{- $mtls := $r.tls.clientCASecretName -}}
+{{- $http := and $r.httpPort (not $mtls) -}}
+{{- $scheme := ternary "HTTPS" "HTTP" (not (empty $tls)) -}}
+{{- $tcp := dict "tcpSocket" (dict "port" "grpc") -}}
+{{- $startup := merge (dict) $tcp $r.startupProbe -}}
+{{- $live := $tcp -}}
+{{- if $http -}}
+{{- $live = dict "httpGet" (dict "path" "/health" "port" "http" "scheme" $scheme) -}}
+{{- end -}}
+{{- $ready := $tcp -}}
+{{- if not $tls -}}
+{{- $ready = dict "grpc" (dict "port" ($r.grpcPort | int) "service" "") -}}
+{{- else if $http -}}
+{{- $ready = dict "httpGet" (dict "path" "/ready" "port" "http" "scheme" $scheme) -}}
+{{- end -}}
+startupProbe:
+  {{- toYaml $startup | nindent 2 }}
+readinessProbe:
+  {{- toYaml (merge (dict) $ready $r.readinessProbe) | nindent 2 }}
+livenessProbe:
+  {{- toYaml (merge (dict) $live $r.livenessProbe) | nindent 2 }}
 {{- end -}}
 
 {{/* Volumes every Ray container mounts: /tmp (Ray's session dir) and /dev/shm (object store). */}}
@@ -152,4 +246,26 @@ app.kubernetes.io/component: router
   mountPath: /tmp
 - name: dshm
   mountPath: /dev/shm
+{{- end -}}
+
+{{/* Worker-plane mutual TLS (clusterTLS.secretName): the same files at the same path in the
+     router and every pod that runs pdserve workers; the workers read the paths from their
+     WorkerSpec. The Ray head runs no pdserve process and gets no key. */}}
+{{- define "pdserve.clusterTLSDir" -}}/etc/pdserve/cluster-tls{{- end -}}
+
+{{- define "pdserve.clusterTLSVolume" -}}
+- name: cluster-tls
+  secret:
+    secretName: {{ .Values.clusterTLS.secretName }}
+    defaultMode: 0440
+    items:
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+      - {key: ca.crt, path: ca.crt}
+{{- end -}}
+
+{{- define "pdserve.clusterTLSMount" -}}
+- name: cluster-tls
+  mountPath: {{ include "pdserve.clusterTLSDir" . }}
+  readOnly: true
 {{- end -}}
