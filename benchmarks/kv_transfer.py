@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve import defaults
+from pdserve.cluster_secret import ClusterSecret
 from pdserve.kvtransfer import (
     Endpoint,
     GlooConnector,
@@ -78,7 +80,8 @@ def prefill_engines(tokens: int, threads: int):
         scheduler=SchedulerConfig(max_num_batched_tokens=tokens + 16),
         num_threads=threads,
     )
-    worker = PrefillWorker(config, GlooConnector(WORKER_SOURCE), SMOLLM2.model)
+    worker = PrefillWorker(config, GlooConnector(WORKER_SOURCE, secret=ClusterSecret.from_env()),
+                           SMOLLM2.model)
     return worker, EngineCore(config)
 
 
@@ -112,7 +115,7 @@ def sender_main(port: int, num_blocks: int, threads: int, overlap: bool) -> None
     shape = (num_blocks, SMOLLM2.block_size, SMOLLM2.num_kv_heads, SMOLLM2.head_dim)
     caches = [(torch.rand(shape, generator=g), torch.rand(shape, generator=g))
               for _ in range(SMOLLM2.num_layers)]
-    sender = KVSender(SMOLLM2, GlooConnector(SOURCE), 1, caches)
+    sender = KVSender(SMOLLM2, GlooConnector(SOURCE, secret=ClusterSecret.from_env()), 1, caches)
     raw = raw_group(port, 0)
     raw_buf = torch.ones(SMOLLM2.num_layers * num_blocks * SMOLLM2.block_nbytes(3),
                          dtype=torch.uint8)
@@ -149,7 +152,8 @@ def sender_main(port: int, num_blocks: int, threads: int, overlap: bool) -> None
 class Bench:
     def __init__(self, num_blocks: int, threads: int, overlap: bool) -> None:
         self.num_blocks = num_blocks
-        self.listener = GlooListener(defaults.HOST)
+        secret = ClusterSecret.generate()  # the sender process gets it in its environment
+        self.listener = GlooListener(defaults.HOST, secret=secret)
         shape = (2 * num_blocks, SMOLLM2.block_size, SMOLLM2.num_kv_heads, SMOLLM2.head_dim)
         self.caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(SMOLLM2.num_layers)]
         self.rx = KVReceiver(SMOLLM2, self.listener, 1, self.caches)
@@ -157,7 +161,8 @@ class Bench:
             [sys.executable, __file__, "--role", "sender", "--port",
              str(self.listener.endpoint.port), "--blocks", str(num_blocks), "--threads",
              str(threads), *(["--overlap"] if overlap else [])],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env=dict(os.environ, **secret.to_env()))
         self.raw = raw_group(self.listener.endpoint.port, 1)
         self.raw_buf = torch.empty(SMOLLM2.num_layers * num_blocks * SMOLLM2.block_nbytes(3),
                                    dtype=torch.uint8)

@@ -7,6 +7,7 @@ Bootstrap, driven by the launcher (every rank lives in one placement group, so o
              rank 0 serves its DecodeWorker over gRPC and returns the address; the other
              ranks follow rank 0 in a thread and return None at once
 The actor must run with max_concurrency >= 2, so `ping` answers while a rank follows.
+The cluster secret comes from the actor's environment (the pool's runtime_env), never args.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from pdserve.cluster_secret import ClusterSecret
 from pdserve.decode_worker.group import start_decode_rank
 from pdserve.decode_worker.service import DecodeService
 from pdserve.engine.models.parallel import TensorParallel
@@ -30,15 +32,14 @@ from pdserve.kvtransfer.rendezvous import GlooListener
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 120.0  # every rank joins within this (each loads its shard first)
-# A follower blocks in a broadcast for as long as rank 0 has nothing to say, so collectives
-# must not time out while the group idles; a dead peer still fails them at once (its socket
-# closes) and a hung one is the supervisor's to find (it pings every rank).
-COLLECTIVE_TIMEOUT = timedelta(days=365)
 
 
-def tp_group(store: dist.Store, host: str, rank: int, size: int) -> Any:
+def tp_group(store: dist.Store, host: str, rank: int, size: int, timeout: timedelta) -> Any:
+    """The TP group; each collective fails after `timeout` (WorkerSpec.tp_timeout_s). A
+    follower idles blocked in the next broadcast: rank 0's "idle" beats (plan_broadcast)
+    keep that wait short, so only a hung or dead rank makes a collective time out."""
     opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = COLLECTIVE_TIMEOUT
+    opts._timeout = timeout
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     return dist.ProcessGroupGloo(dist.PrefixStore("tp", store), rank, size, opts)
 
@@ -49,6 +50,7 @@ class DecodeRankActor:
             raise ValueError(f"rank {rank} is not in a TP group of {tp_size}")
         self.spec = WorkerSpec.from_dict(spec).with_resolved_host()
         self.rank, self.tp_size = rank, tp_size
+        self.secret = ClusterSecret.from_env()
         self.timeout = timedelta(seconds=CONNECT_TIMEOUT_S)
         self.service: DecodeService | None = None
         self.listener: GlooListener | None = None
@@ -57,7 +59,7 @@ class DecodeRankActor:
         self.follower_error: BaseException | None = None
         if rank == 0:
             self.listener = GlooListener(self.spec.host, rank=0,
-                                         connect_timeout_s=CONNECT_TIMEOUT_S)
+                                         connect_timeout_s=CONNECT_TIMEOUT_S, secret=self.secret)
             if tp_size > 1:
                 sock = socket.create_server((self.spec.host, 0), backlog=128)
                 # TCPStore takes the bound socket, so the store listens on spec.host only.
@@ -84,16 +86,21 @@ class DecodeRankActor:
                 host, int(rendezvous["tp_port"]), None, False, timeout=self.timeout,
                 wait_for_workers=False,
             )
-            group = tp_group(store, self.spec.host, self.rank, self.tp_size)
+            group = tp_group(store, self.spec.host, self.rank, self.tp_size,
+                             timedelta(seconds=self.spec.tp_timeout_s))
             tp = TensorParallel(self.rank, self.tp_size, group)
         if self.listener is None:
             self.listener = GlooListener(self.spec.host, rank=self.rank, port=kv_port,
-                                         host_store=False, connect_timeout_s=CONNECT_TIMEOUT_S)
+                                         host_store=False, connect_timeout_s=CONNECT_TIMEOUT_S,
+                                         secret=self.secret)
         endpoints = [Endpoint(host, kv_port, r) for r in range(self.tp_size)]
         args = (self.spec.engine_config(), tp, self.listener, endpoints, self.spec.model_name)
         if self.rank == 0:
-            worker = start_decode_rank(*args)
-            self.service = DecodeService(worker, self.spec.worker_id, self.spec.host)
+            worker = start_decode_rank(*args, max_reservation_s=self.spec.max_reservation_s,
+                                       tp_beat_s=self.spec.tp_beat_s)
+            self.service = DecodeService(worker, self.spec.worker_id, self.spec.host,
+                                         self.secret, stall_timeout_s=self.spec.stall_timeout_s,
+                                         tls=self.spec.tls())
             return self.service.address
         self.follower = threading.Thread(target=self._follow, args=args,
                                          name=f"decode-rank-{self.rank}", daemon=True)

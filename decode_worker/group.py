@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from pdserve.decode_worker.follower import run_follower
-from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.decode_worker.worker import MAX_RESERVATION_S, TP_BEAT_S, DecodeWorker
 from pdserve.engine.config import EngineConfig, with_num_blocks
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.parallel import TensorParallel
@@ -22,10 +22,14 @@ def start_decode_rank(
     listener: Listener,
     endpoints: Sequence[Endpoint],
     model_name: str,
+    *,
+    max_reservation_s: float = MAX_RESERVATION_S,
+    tp_beat_s: float = TP_BEAT_S,
 ) -> DecodeWorker | None:
     """Rank 0: the running DecodeWorker. Other ranks: serve until rank 0 stops; None."""
     if tp.rank == 0:
-        return DecodeWorker(config, listener, endpoints, model_name, tp)
+        return DecodeWorker(config, listener, endpoints, model_name, tp,
+                            max_reservation_s=max_reservation_s, tp_beat_s=tp_beat_s)
     config = replace(config, cache=with_num_blocks(config.cache, config.model))
     runner = ModelRunner(config, tp)
     layout = KVLayout.from_model_config(config.model, config.cache.block_size, model_name)

@@ -1,26 +1,39 @@
 """The decode worker's gRPC service (proto/worker.proto `DecodeWorker`), served by TP rank 0.
 
 `Outputs` is one long-lived stream per router: each message is one engine step's news for
-every request, so a batch of 64 costs one message per step, not 64.
+every request, so a batch of 64 costs one message per step, not 64. With no step news for
+KEEPALIVE_S it sends an empty message, but only while the engine loop is alive and came round
+within `stall_timeout_s`: a wedged loop goes silent (the router ends such a stream after its
+own silence limit) and a dead one ends the stream, UNAVAILABLE, after its last error deltas.
+
+Every RPC needs the cluster secret (pdserve.worker_grpc), and a client certificate too when
+`tls` is given (worker-plane mutual TLS; the spec's `tls()`). Status codes the router acts on:
+INVALID_ARGUMENT a bad field (nothing was queued), NOT_FOUND a Start with no live reservation,
+UNAVAILABLE only when this worker is closing or its loop died.
 """
 
 from __future__ import annotations
 
 import logging
-from concurrent import futures
+import time
 
 import grpc
 
+from pdserve.cluster_secret import ClusterSecret
 from pdserve.decode_worker.outputs import DecodeOutput
-from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.decode_worker.worker import DecodeWorker, ReservationNotFound
 from pdserve.engine.wire import logprobs_from_proto, logprobs_to_proto, sampling_from_proto
 from pdserve.kvtransfer.descriptor import Endpoint
 from pdserve.proto import worker_pb2, worker_pb2_grpc
+from pdserve.tls import TLSFiles
+from pdserve.worker_grpc import bind, worker_server
 
 logger = logging.getLogger(__name__)
 
 MAX_RPC_THREADS = 32
 POLL_S = 0.1  # how often an idle Outputs stream checks that its reader is still there
+KEEPALIVE_S = 1.0  # an Outputs stream is never silent longer while the loop is healthy
+STALL_TIMEOUT_S = 30.0
 
 
 def delta_to_proto(out: DecodeOutput) -> worker_pb2.RequestDelta:
@@ -34,15 +47,16 @@ def delta_to_proto(out: DecodeOutput) -> worker_pb2.RequestDelta:
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, worker: DecodeWorker, worker_id: str) -> None:
+    def __init__(self, worker: DecodeWorker, worker_id: str,
+                 stall_timeout_s: float = STALL_TIMEOUT_S) -> None:
         self.worker, self.worker_id = worker, worker_id
+        self.stall_timeout_s = stall_timeout_s
 
     def Reserve(self, request, context):
-        sources = [Endpoint(s.host, s.port, s.rank) for s in request.sources]
         descriptor = self._checked(context, lambda: self.worker.reserve(
             request.request_id, list(request.prompt_token_ids),
-            sampling_from_proto(request.sampling, default_max_tokens=1), sources,
-            request.deadline,
+            sampling_from_proto(request.sampling, default_max_tokens=1),
+            [Endpoint(s.host, s.port, s.rank) for s in request.sources], request.deadline,
         ))
         if descriptor is None:
             return worker_pb2.ReserveResponse(granted=False)
@@ -63,16 +77,40 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def Outputs(self, request, context):
         context.send_initial_metadata(())  # the reader knows it is connected before any step
+        last_sent, stalled = time.monotonic(), False
         while context.is_active():
             batch = self.worker.next_outputs(timeout=POLL_S)
             if batch:
                 yield worker_pb2.StepOutputs(deltas=[delta_to_proto(out) for out in batch])
+                last_sent = time.monotonic()
+            elif not self.worker.is_alive():  # its last error deltas have gone out
+                context.abort(grpc.StatusCode.UNAVAILABLE,
+                              f"decode worker {self.worker_id}: engine loop has stopped")
+            elif time.monotonic() - last_sent >= KEEPALIVE_S:
+                stalled = self._stalled(stalled)
+                if not stalled:
+                    yield worker_pb2.StepOutputs()
+                    last_sent = time.monotonic()
+
+    def _stalled(self, was_stalled: bool) -> bool:
+        """Whether the loop is wedged (no iteration within stall_timeout_s); logs the change."""
+        silent = self.worker.seconds_since_beat()
+        stalled = silent > self.stall_timeout_s
+        if stalled and not was_stalled:
+            logger.error("decode worker %s: engine loop stuck for %.0f s (limit %g s); "
+                         "Outputs keepalives stop", self.worker_id, silent, self.stall_timeout_s)
+        elif was_stalled and not stalled:
+            logger.warning("decode worker %s: engine loop moving again", self.worker_id)
+        return stalled
 
     def Abort(self, request, context):
         found = self._checked(context, lambda: self.worker.abort(request.request_id))
         return worker_pb2.WorkerAbortResponse(found=found)
 
     def GetLoad(self, request, context):
+        if not self.worker.is_alive():  # a dead worker's load would invite requests
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"decode worker {self.worker_id}: engine loop has stopped")
         s = self._checked(context, self.worker.stats)
         return worker_pb2.WorkerLoad(
             worker_id=self.worker_id, num_blocks=s.num_blocks,
@@ -88,6 +126,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             return call()
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except ReservationNotFound as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except RuntimeError as exc:  # the worker is closed or its loop died
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
@@ -95,14 +135,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 class DecodeService:
     """Rank 0's DecodeWorker behind its gRPC server; `address` is what the router dials."""
 
-    def __init__(self, worker: DecodeWorker, worker_id: str, host: str) -> None:
+    def __init__(self, worker: DecodeWorker, worker_id: str, host: str,
+                 secret: ClusterSecret, stall_timeout_s: float = STALL_TIMEOUT_S,
+                 tls: TLSFiles | None = None) -> None:
         self.worker = worker
-        self.server = grpc.server(futures.ThreadPoolExecutor(MAX_RPC_THREADS,
-                                                             thread_name_prefix="decode-rpc"))
-        self.port = self.server.add_insecure_port(f"{host}:0")
+        self.server = worker_server(secret, MAX_RPC_THREADS, "decode-rpc")
+        self.port = bind(self.server, host, tls)
         self.address = f"{host}:{self.port}"
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
-            DecodeServicer(worker, worker_id), self.server
+            DecodeServicer(worker, worker_id, stall_timeout_s), self.server
         )
         self.server.start()
         logger.info("decode worker %s serving on %s", worker_id, self.address)

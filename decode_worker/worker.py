@@ -6,28 +6,37 @@ the running batch once its KV has landed on every TP rank and its first token (s
 prefill) is known. `submit` instead prefills a prompt here (when this worker's prefix cache
 already holds most of it, e.g. the next turn of a session). Every reservation has a deadline;
 a failed or late transfer, an abort or a finish frees the request's blocks on every rank.
+Every field a caller sends is checked before anything is queued (ValueError, naming it), and
+a caller's reservation deadline is capped at now + `max_reservation_s`.
 
 The transfers themselves are the KV connector's (kvtransfer.receive_connector): it holds
 the one record of each, and the engine's own step asks it, before scheduling, what landed,
 failed or expired. Outputs leave as one batch per engine step (`next_outputs`), every
 request's news together. All engine and TP-group work happens on the worker's loop thread
-(engine.loop); the public methods are thread-safe and only queue commands.
+(engine.loop); the public methods are thread-safe and only queue commands. An idle rank 0
+of a TP group sends its followers an "idle" message every `tp_beat_s` (engine.plan_broadcast).
+A step that raises (e.g. a TP collective timed out on a hung rank) ends the loop: every
+request ends with the reason and its blocks are freed, without touching the TP group again.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
+import time
 from collections.abc import Sequence
 
 from pdserve.decode_worker.outputs import DecodeOutput
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_core import EngineCore
-from pdserve.engine.loop import EngineLoop
+from pdserve.engine.loop import EngineLoop, LoopClosedError
 from pdserve.engine.models.parallel import TensorParallel
+from pdserve.engine.plan_broadcast import IdleBeat
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_output import TokenLogprobs
+from pdserve.engine.wire import check_logprobs, check_prompt, check_request_id, check_token_id
 from pdserve.engine.worker_stats import WorkerStats
 from pdserve.kvtransfer.connector import Listener
 from pdserve.kvtransfer.descriptor import Endpoint, TransferDescriptor
@@ -35,6 +44,13 @@ from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.receive_connector import KVReceiveConnector, RemotePrefill
 
 logger = logging.getLogger(__name__)
+
+MAX_RESERVATION_S = 60.0
+TP_BEAT_S = 2.0
+
+
+class ReservationNotFound(LookupError):
+    """Start for a request with no live reservation here (unknown, expired or started)."""
 
 
 class DecodeWorker:
@@ -45,8 +61,12 @@ class DecodeWorker:
         endpoints: Sequence[Endpoint],
         model_name: str,
         tp: TensorParallel | None = None,
+        *,
+        max_reservation_s: float = MAX_RESERVATION_S,
+        tp_beat_s: float = TP_BEAT_S,
     ) -> None:
         tp = tp or TensorParallel()
+        self.max_reservation_s = max_reservation_s
         self.layout = KVLayout.from_model_config(config.model, config.cache.block_size,
                                                  model_name)
         self.connector = KVReceiveConnector(self.layout, listener, endpoints, tp)
@@ -55,6 +75,7 @@ class DecodeWorker:
         self.endpoints = self.connector.endpoints
         self._step_outputs: list[DecodeOutput] = []
         self._outputs: queue.Queue[tuple[DecodeOutput, ...]] = queue.Queue()
+        self._beat = IdleBeat(self.tp, tp_beat_s)
         self._loop = EngineLoop("decode-loop", self._step, self._fail_all)
 
     # ---- public, thread-safe ----
@@ -67,28 +88,40 @@ class DecodeWorker:
         sources: Sequence[Endpoint],
         deadline: float,
     ) -> TransferDescriptor | None:
-        """Hold blocks for the prompt's KV; the descriptor to push into, or None if full."""
-        request = Request(request_id, tuple(prompt_token_ids), params,
-                          self.config.model.eos_token_ids,
+        """Hold blocks for the prompt's KV; the descriptor to push into, or None if full.
+        The deadline is capped at now + max_reservation_s."""
+        prompt = self._checked_prompt(request_id, prompt_token_ids)
+        if not sources:
+            raise ValueError("sources must name the prefill worker's ranks")
+        if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not (
+                math.isfinite(deadline)):
+            raise ValueError(f"deadline must be a finite time.time() number, got {deadline!r}")
+        deadline = min(float(deadline), time.time() + self.max_reservation_s)
+        request = Request(request_id, prompt, params, self.config.model.eos_token_ids,
                           kv_transfer=RemotePrefill(tuple(sources), deadline))
         return self._loop.call(lambda: self.core.reserve_remote(request))
 
     def start(
         self, request_id: str, first_token: int, logprobs: TokenLogprobs | None = None
     ) -> None:
-        """The prefill side's first token: the request runs once its KV has landed."""
-        if not 0 <= first_token < self.config.model.vocab_size:
-            raise ValueError(f"first_token {first_token} is outside the vocabulary")
-        self._loop.call(lambda: self.connector.start(request_id, first_token, logprobs))
+        """The prefill side's first token: the request runs once its KV has landed.
+        ReservationNotFound when no live reservation waits for it."""
+        check_request_id(request_id)
+        vocab_size = self.config.model.vocab_size
+        check_token_id("first_token_id", first_token, vocab_size)
+        if logprobs is not None:
+            check_logprobs(logprobs, vocab_size)
+        self._loop.call(lambda: self._start(request_id, first_token, logprobs))
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int],
                params: SamplingParams) -> bool:
         """Prefill and decode here (prefix cache first); False, holding nothing, when full."""
-        request = Request(request_id, tuple(prompt_token_ids), params,
-                          self.config.model.eos_token_ids)
+        prompt = self._checked_prompt(request_id, prompt_token_ids)
+        request = Request(request_id, prompt, params, self.config.model.eos_token_ids)
         return self._loop.call(lambda: self._submit(request))
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        check_request_id(request_id)
         return self._loop.call(lambda: self._abort(request_id, reason))
 
     def next_outputs(self, timeout: float | None = None) -> tuple[DecodeOutput, ...]:
@@ -102,22 +135,48 @@ class DecodeWorker:
         """Whether the engine loop still runs (a dead loop serves nothing)."""
         return self._loop.is_alive()
 
+    def seconds_since_beat(self) -> float:
+        """How long since the engine loop last came round: large while a step is wedged."""
+        return self._loop.seconds_since_beat()
+
     def stats(self) -> WorkerStats:
-        return self._loop.call(
-            lambda: WorkerStats.from_core(self.core, num_reserved=self.connector.num_pending))
+        """Read on the loop thread; once the loop has died, here (nothing else touches it)."""
+        try:
+            return self._loop.call(
+                lambda: WorkerStats.from_core(self.core, num_reserved=self.connector.num_pending))
+        except LoopClosedError:
+            if not self._loop.join():
+                raise
+            return WorkerStats.from_core(self.core, num_reserved=self.core.scheduler.num_remote)
 
     def close(self) -> None:
         if not self._loop.stop(self._shutdown):  # it had died: release the listener here
             self.connector.close()
 
+    def _checked_prompt(self, request_id: str, prompt: Sequence[int]) -> tuple[int, ...]:
+        check_request_id(request_id)
+        model = self.config.model
+        return check_prompt(prompt, model.vocab_size, model.max_model_len)
+
     # ---- loop thread ----
 
     def _step(self) -> bool:
+        self._beat.tick()
         if self.core.has_unfinished_requests():
             for out in self.core.step():
                 self._step_outputs.append(DecodeOutput.from_core(out))
         self._flush()
         return self.core.scheduler.has_runnable_requests()
+
+    def _start(self, request_id: str, first_token: int,
+               logprobs: TokenLogprobs | None) -> None:
+        request = self.core.scheduler.requests.get(request_id)
+        if request is None or request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise ReservationNotFound(f"request_id {request_id!r} has no reservation here "
+                                      "(unknown, expired or already started)")
+        if time.time() > request.kv_transfer.deadline:  # expired; the next step reclaims it
+            raise ReservationNotFound(f"the reservation of {request_id!r} expired")
+        self.connector.start(request_id, first_token, logprobs)
 
     def _submit(self, request: Request) -> bool:
         scheduler = self.core.scheduler
@@ -142,10 +201,16 @@ class DecodeWorker:
             self._step_outputs = []
 
     def _fail_all(self, exc: BaseException) -> None:
-        """The loop died: end every request with the reason rather than hang its stream."""
-        for request_id in list(self.core.scheduler.requests):
+        """The loop died: end every request with the reason rather than hang its stream, and
+        free its blocks. The TP group may be what failed (a rank hung or died), so nothing
+        is sent to it: the scheduler forgets its connector first; the followers' copies go
+        with the group, which the supervisor replaces whole."""
+        scheduler = self.core.scheduler
+        scheduler.connector = None
+        for request_id in list(scheduler.requests):
             self._step_outputs.append(
                 DecodeOutput(request_id, (), "error", f"decode worker died: {exc}"))
+            scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
         self._flush()
 
     def _shutdown(self) -> None:

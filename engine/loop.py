@@ -12,6 +12,10 @@ still runs that often). A command that raises fails only its own future. A step 
 kills the loop: every queued command fails with the reason, `on_error(exc)` runs on the loop
 thread so the owner can fail its own callers and streams, and any later call raises
 `LoopClosedError` at once instead of hanging.
+
+Even an idle loop wakes at least every `MAX_IDLE_WAIT_S`, and every iteration records its
+time (`seconds_since_beat`): an owner tells an idle loop from a wedged one (a step or command
+that never returns) by how long ago the loop last came round.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -27,6 +32,7 @@ from typing import Any, TypeVar
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.005
+MAX_IDLE_WAIT_S = 0.5  # an idle loop still comes round this often (its heartbeat)
 JOIN_S = 30.0
 
 T = TypeVar("T")
@@ -51,7 +57,8 @@ class EngineLoop:
         on_error: Callable[[BaseException], None] | None = None,
         idle_wait_s: float | None = IDLE_WAIT_S,
     ) -> None:
-        """`idle_wait_s` None: an idle loop sleeps until the next command."""
+        """`idle_wait_s` None: an idle loop waits for the next command (waking every
+        MAX_IDLE_WAIT_S to beat)."""
         self.name = name
         self.error: BaseException | None = None  # what killed the loop
         self._step, self._on_error, self._idle_wait_s = step, on_error, idle_wait_s
@@ -59,6 +66,7 @@ class EngineLoop:
         self._lock = threading.Lock()  # orders submits against closing
         self._closed: str | None = None  # why no command is accepted any more
         self._stopping = False
+        self._beat = time.monotonic()  # when the loop last came round
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -72,6 +80,15 @@ class EngineLoop:
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
+
+    def seconds_since_beat(self) -> float:
+        """How long since the loop last came round (idle or not): large = wedged."""
+        return time.monotonic() - self._beat
+
+    def join(self, timeout_s: float = JOIN_S) -> bool:
+        """Wait for the thread to end (after it stopped or died); whether it has."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     def stop(self, last: Callable[[], None] | None = None) -> bool:
         """Run `last` as the final command and end the thread; idempotent. False when the
@@ -102,6 +119,7 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while not self._stopping:
+                self._beat = time.monotonic()
                 self._run_commands()
                 if self._stopping:
                     break
@@ -125,12 +143,15 @@ class EngineLoop:
 
     def _wait_for_command(self) -> None:
         try:
-            command = self._queue.get(timeout=self._idle_wait_s)
+            wait = self._idle_wait_s
+            command = self._queue.get(timeout=MAX_IDLE_WAIT_S if wait is None
+                                      else min(wait, MAX_IDLE_WAIT_S))
         except queue.Empty:
             return
         self._execute(command)
 
     def _execute(self, command: _Command) -> None:
+        self._beat = time.monotonic()  # a command may block: it counts from its start
         try:
             command.future.set_result(command.fn())
         except BaseException as exc:  # noqa: BLE001 - the caller gets it, the loop goes on

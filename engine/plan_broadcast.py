@@ -1,8 +1,13 @@
 """Rank 0 of a tensor-parallel group decides; every rank executes the same messages.
 
 Messages travel as JSON bytes over the TP group's broadcast (no pickle): a length, then the
-bytes. A message is a kind and a body: "plan" (the step to execute), "stop", or a kind the
-follower's owner handles (e.g. the decode worker's "expect" / "admit" / "cancel").
+bytes. A message is a kind and a body: "plan" (the step to execute), "stop", "idle", or a
+kind the follower's owner handles (e.g. the decode worker's "expect" / "admit" / "cancel").
+
+Every collective of the group has a bounded timeout (so a hung rank fails the step rather
+than wedging the group forever). A follower spends rank 0's idle time blocked in the next
+broadcast, so an idle rank 0 sends "idle" (a no-op) every `IdleBeat.interval_s`, well within
+that timeout: a follower times out only when rank 0 itself is gone or hung.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +28,7 @@ from pdserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[dict[str, Any]], None]
+IDLE = "idle"
 
 
 def encode_plan(plan: SchedulerOutput) -> dict[str, Any]:
@@ -80,8 +87,26 @@ def follow(runner, tp: TensorParallel, handlers: dict[str, Handler] | None = Non
         kind, body = receive(tp)
         if kind == "stop":
             break
+        if kind == IDLE:
+            continue
         if kind == "plan":
             runner.execute(decode_plan(body))
         else:
             handlers[kind](body)
     logger.info("TP rank %d: stopped by rank 0", tp.rank)
+
+
+class IdleBeat:
+    """Rank 0: an "idle" message at least every `interval_s`, so a follower blocked waiting
+    for the next message never reaches the collective timeout while rank 0 merely idles."""
+
+    def __init__(self, tp: TensorParallel, interval_s: float) -> None:
+        self.tp, self.interval_s = tp, interval_s
+        self._last = time.monotonic()
+
+    def tick(self) -> None:
+        """Call from rank 0's loop thread every iteration; sends when one is due."""
+        if self.tp.size == 1 or time.monotonic() - self._last < self.interval_s:
+            return
+        publish(self.tp, IDLE)
+        self._last = time.monotonic()

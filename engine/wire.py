@@ -1,13 +1,59 @@
 """Engine types <-> their protobuf messages (proto/pdserve.proto), shared by router and workers.
 
+A worker trusts no field it receives (an authenticated caller can still be buggy): the
+`check_*` functions below raise ValueError naming the field, which the worker answers as
+INVALID_ARGUMENT before anything is queued, so a bad message never reaches an engine loop.
 No torch here: the router imports it.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
+from pdserve.engine.input_processor import check_prompt_length, tokenize_prompt
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_output import TokenLogprobs
 from pdserve.proto import pdserve_pb2
+
+MAX_REQUEST_ID_CHARS = 256  # a transfer descriptor's limit (kvtransfer.descriptor)
+
+
+def check_request_id(request_id: str) -> str:
+    """A worker-side request id: 1..256 printable characters (it lands in logs)."""
+    if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+        raise ValueError(f"request_id must be 1..{MAX_REQUEST_ID_CHARS} characters, got "
+                         f"{len(request_id) if isinstance(request_id, str) else request_id!r}")
+    if not request_id.isprintable():
+        raise ValueError(f"request_id must be printable, got {request_id[:64]!r}")
+    return request_id
+
+
+def check_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: int) -> tuple[int, ...]:
+    """Prompt ids in [0, vocab_size), not empty, leaving room for one generated token."""
+    ids = tokenize_prompt(list(token_ids), None, vocab_size)
+    check_prompt_length(len(ids), max_model_len)
+    return tuple(ids)
+
+
+def check_token_id(name: str, token_id: int, vocab_size: int) -> int:
+    if isinstance(token_id, bool) or not isinstance(token_id, int) or not (
+            0 <= token_id < vocab_size):
+        raise ValueError(f"{name} {token_id!r} is outside the vocabulary [0, {vocab_size})")
+    return token_id
+
+
+def check_logprobs(lp: TokenLogprobs, vocab_size: int) -> TokenLogprobs:
+    """A first token's logprobs as prefill sent them: ids in the vocabulary, no NaN."""
+    check_token_id("logprob.token_id", lp.token_id, vocab_size)
+    if len(lp.top) > SamplingParams.MAX_LOGPROBS:
+        raise ValueError(f"logprob.top has {len(lp.top)} entries, at most "
+                         f"{SamplingParams.MAX_LOGPROBS}")
+    for token_id, logprob in ((lp.token_id, lp.logprob), *lp.top):
+        check_token_id("logprob.top.token_id", token_id, vocab_size)
+        if math.isnan(logprob) or logprob > 0:
+            raise ValueError(f"logprob of token {token_id} must be <= 0, got {logprob}")
+    return lp
 
 
 def sampling_from_proto(msg: pdserve_pb2.SamplingParams, default_max_tokens: int) -> SamplingParams:

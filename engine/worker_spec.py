@@ -7,11 +7,14 @@ which builds its EngineConfig here (so the router, which never imports torch, ne
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, load_model_config
 from pdserve.redis_keys import DEFAULT_NAMESPACE
+from pdserve.tls import TLSFiles
+from pdserve.worker_grpc import check_worker_tls, worker_tls
 
 
 @dataclass(frozen=True)
@@ -33,9 +36,50 @@ class WorkerSpec:
     seed: int = 0
     num_threads: int | None = None
     host: str = "127.0.0.1"  # where its gRPC service and KV endpoints bind; "auto": node IP
-    redis_url: str | None = None  # prefill workers publish their prefix-cache events there
-    redis_password: str | None = None
+    # prefill workers publish their prefix-cache events there; no credentials in it (the
+    # password reaches the worker in its environment, defaults.REDIS_PASSWORD_ENV)
+    redis_url: str | None = None
     redis_namespace: str = DEFAULT_NAMESPACE
+    # A client-given reservation deadline is capped at now + this (a decode worker's blocks
+    # are never held longer for a caller; 2x the router's default KV transfer timeout).
+    max_reservation_s: float = 60.0
+    # The decode Outputs stream sends keepalives only while the engine loop has run an
+    # iteration within this long; silence after it tells the router the worker is wedged.
+    stall_timeout_s: float = 30.0
+    # Every collective of a decode TP group fails after this long (a hung rank fails the
+    # step). Longer than max_reservation_s: a follower may wait that long for its KV shard
+    # inside an admission all-reduce.
+    tp_timeout_s: float = 90.0
+    # Worker-plane mutual TLS (pdserve.worker_grpc): PEM paths, the same on every node (the
+    # files are mounted there, never sent); all three or none. None: plaintext, secret only.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+
+    def __post_init__(self) -> None:
+        check_worker_tls(self._tls_paths())
+        for name in ("max_reservation_s", "stall_timeout_s", "tp_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    0 < value < math.inf):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.tp_timeout_s <= self.max_reservation_s:
+            raise ValueError(
+                f"tp_timeout_s ({self.tp_timeout_s}) must exceed max_reservation_s "
+                f"({self.max_reservation_s}): a TP follower waits up to a reservation's "
+                "lifetime for its KV inside a collective; raise tp_timeout_s")
+
+    def _tls_paths(self) -> dict[str, str | None]:
+        return {"tls_cert": self.tls_cert, "tls_key": self.tls_key, "tls_ca": self.tls_ca}
+
+    def tls(self) -> TLSFiles | None:
+        """The gRPC server's mutual-TLS files, read on this worker's node; None: plaintext."""
+        return worker_tls(self._tls_paths())
+
+    @property
+    def tp_beat_s(self) -> float:
+        """How often an idle decode rank 0 pings its followers (well within tp_timeout_s)."""
+        return min(2.0, self.tp_timeout_s / 4)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 from pdserve import defaults
 from pdserve.bench import cli as bench_cli
+from pdserve.client.options import add_connection_args, connection_kwargs
 from pdserve.launch.settings import ServeSettings
 from pdserve.planner import cli as planner_cli
 
@@ -51,8 +52,7 @@ def _client_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address",
                         default=os.environ.get("PDSERVE_ADDRESS", defaults.ROUTER_ADDRESS),
                         help="router address (env PDSERVE_ADDRESS)")
-    parser.add_argument("--api-token", default=os.environ.get("PDSERVE_API_TOKEN"),
-                        help="the router's API token (env PDSERVE_API_TOKEN)")
+    add_connection_args(parser)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -96,8 +96,9 @@ async def _up(settings: ServeSettings) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         await service.start()
+        tls = " (grpcs: TLS)" if service.tls else ""
         http = f", OpenAI API: {service.http_url}/v1" if service.http_url else ""
-        print(f"pdserve is serving {settings.model} on {service.address}{http} "
+        print(f"pdserve is serving {settings.model} on {service.address}{tls}{http} "
               f"(metrics: http://{settings.host}:{service.metrics_port}/metrics); "
               "Ctrl-C stops it", flush=True)
         await stop.wait()
@@ -128,7 +129,7 @@ def _stream(client, args, **request) -> str:
 def _generate(args: argparse.Namespace) -> int:
     from pdserve.client import Client
 
-    with Client(args.address, api_token=args.api_token) as client:
+    with Client(args.address, **connection_kwargs(args)) as client:
         if args.wait:
             client.wait_ready(args.wait)
         if args.raw:
@@ -143,7 +144,7 @@ def _chat(args: argparse.Namespace) -> int:
 
     session_id = args.session_id or f"chat-{uuid.uuid4().hex[:12]}"
     messages: list[dict[str, str]] = []
-    with Client(args.address, api_token=args.api_token) as client:
+    with Client(args.address, **connection_kwargs(args)) as client:
         if args.wait:
             client.wait_ready(args.wait)
         while True:

@@ -13,8 +13,12 @@ ROUTER_PORT = 50051  # gRPC: pdserve.v1.Inference, health, reflection
 METRICS_PORT = 9400  # Prometheus text over HTTP
 HTTP_PORT = 8000  # the OpenAI-compatible API (vLLM's default port too)
 HTTP_TIMEOUT_S = 600.0  # the longest an HTTP request may run; a client's `timeout` is capped
+GRPC_TIMEOUT_S = 600.0  # the same for a gRPC Generate, whatever deadline the client gave
 # The bundled redis-server takes a free port: never a system Redis's 6379 by accident.
 REDIS_PORT = 0
 
 ROUTER_ADDRESS = f"{HOST}:{ROUTER_PORT}"
 METRICS_URL = f"http://{HOST}:{METRICS_PORT}/metrics"
+# A worker reads the Redis password from its environment (set by the pool, like the cluster
+# secret): never from its actor arguments or a URL handed to it.
+REDIS_PASSWORD_ENV = "PDSERVE_REDIS_PASSWORD"

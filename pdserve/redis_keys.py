@@ -2,8 +2,12 @@
 
 Every key lives under one namespace, so several deployments can share a Redis:
 
-- `{ns}:session:{session_id}`: a HASH with `token_ids` (a JSON list of ints) and
-  `decode_worker`; its TTL is reset on every put (`router.store.RedisStore`).
+- `{ns}:session:{tenant}/{session_id}`: a HASH with `token_ids` (a JSON list of ints) and
+  `decode_worker`; its TTL is reset on every put (`router.store.RedisStore`). `tenant` is
+  the caller's API-token namespace (`router.auth.tenant_of`; `public` without tokens): the
+  fronts scope every client-given session id with it, so clients never share a session id.
+- `{ns}:sessions:{tenant}`: a ZSET of that tenant's session keys scored by last use, which
+  bounds how many sessions one tenant keeps (the least recently used go first).
 - `{ns}:prefix:{worker_id}`: a SET of the raw 16-byte block hashes the worker holds. Together
   the per-worker sets are the cluster's block-hash -> workers index: a block is held by the
   workers whose set contains it. Each prefill worker keeps its own set current
@@ -13,10 +17,28 @@ Every key lives under one namespace, so several deployments can share a Redis:
 from __future__ import annotations
 
 DEFAULT_NAMESPACE = "pdserve"
+PUBLIC_TENANT = "public"  # every caller, when the API has no tokens
+
+
+def scoped_session_id(tenant: str, session_id: str) -> str:
+    """A client's session id inside its tenant's namespace ("" stays "": no session)."""
+    if not tenant or "/" in tenant:
+        raise ValueError(f"tenant must be non-empty without '/', got {tenant!r}")
+    return f"{tenant}/{session_id}" if session_id else ""
+
+
+def session_tenant(session_id: str) -> str:
+    """The tenant of a scoped session id (PUBLIC_TENANT for an unscoped one)."""
+    tenant, sep, _ = session_id.partition("/")
+    return tenant if sep else PUBLIC_TENANT
 
 
 def session_key(namespace: str, session_id: str) -> str:
     return f"{namespace}:session:{session_id}"
+
+
+def sessions_index_key(namespace: str, tenant: str) -> str:
+    return f"{namespace}:sessions:{tenant}"
 
 
 def prefix_key(namespace: str, worker_id: str) -> str:

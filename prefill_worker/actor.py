@@ -3,7 +3,8 @@
 The actor only hosts the worker: requests reach it over its gRPC service (`address`), never
 through Ray calls, so the data and control planes stay as they are outside Ray. Ray calls are
 for placement and supervision: `ping` is the liveness probe. The engine sets its own thread
-count from the spec (ModelRunner applies `num_threads`).
+count from the spec (ModelRunner applies `num_threads`). The cluster secret and the Redis
+password come from the actor's environment (the pool's runtime_env), never its arguments.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import logging
 import os
 from typing import Any
 
+from pdserve import defaults
+from pdserve.cluster_secret import ClusterSecret
 from pdserve.engine.worker_spec import WorkerSpec
 from pdserve.prefill_worker.service import PrefillService
 
@@ -21,7 +24,8 @@ logger = logging.getLogger(__name__)
 class PrefillActor:
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = WorkerSpec.from_dict(spec).with_resolved_host()
-        self.service = PrefillService(self.spec)
+        self.service = PrefillService(self.spec, ClusterSecret.from_env(),
+                                      os.environ.get(defaults.REDIS_PASSWORD_ENV))
 
     def address(self) -> str:
         return self.service.address

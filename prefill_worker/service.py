@@ -3,6 +3,14 @@
 `start_prefill_service(spec)` binds the port first (its address is the worker's identity in
 every transfer descriptor), builds the worker, then serves. Blocking RPCs run on the server's
 thread pool; the engine itself runs on the worker's loop thread.
+
+Every RPC needs the cluster secret (pdserve.worker_grpc), and so does every KV channel it
+opens; with the spec's TLS files the port is mutual TLS as well. Prefill's status codes, as
+the router reads them: INVALID_ARGUMENT a bad field (nothing was queued), ABORTED the KV
+transfer failed on the decode side's account (refused, closed, timed out) or the request was
+aborted, DEADLINE_EXCEEDED the descriptor's deadline (capped at now + max_reservation_s)
+passed, INTERNAL this worker's step failed, UNAVAILABLE only when this worker is closing or
+its loop died.
 """
 
 from __future__ import annotations
@@ -13,22 +21,39 @@ from concurrent import futures
 
 import grpc
 
+from pdserve.cluster_secret import ClusterSecret
 from pdserve.engine.wire import logprobs_to_proto, sampling_from_proto
 from pdserve.engine.worker_spec import WorkerSpec
 from pdserve.kvtransfer.descriptor import Endpoint, TransferDescriptor
 from pdserve.kvtransfer.rendezvous import GlooConnector
 from pdserve.prefill_worker.prefix_events import PrefixIndexPublisher
-from pdserve.prefill_worker.worker import PrefillWorker
+from pdserve.prefill_worker.worker import (
+    KVPushFailed,
+    PrefillAborted,
+    PrefillStepFailed,
+    PrefillWorker,
+)
 from pdserve.proto import worker_pb2, worker_pb2_grpc
+from pdserve.worker_grpc import bind, worker_server
 
 logger = logging.getLogger(__name__)
 
 MAX_RPC_THREADS = 64
+MAX_WAIT_S = 60.0  # the longest a Prefill call waits, whatever deadline its descriptor names
+
+# why a request failed -> what the router is told (see the module docstring)
+_FAILURES = (
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),  # e.g. its request_id already in flight
+    (KVPushFailed, grpc.StatusCode.ABORTED),
+    (PrefillAborted, grpc.StatusCode.ABORTED),
+    (PrefillStepFailed, grpc.StatusCode.INTERNAL),
+)
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, worker: PrefillWorker, worker_id: str) -> None:
-        self.worker, self.worker_id = worker, worker_id
+    def __init__(self, worker: PrefillWorker, worker_id: str,
+                 max_wait_s: float = MAX_WAIT_S) -> None:
+        self.worker, self.worker_id, self.max_wait_s = worker, worker_id, max_wait_s
 
     def Prefill(self, request, context):
         rid = request.request_id
@@ -38,14 +63,17 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             future = self.worker.prefill(rid, list(request.prompt_token_ids), params, descriptor)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RuntimeError as exc:  # closed, or its loop died
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         context.add_callback(lambda: future.done() or self.worker.abort(rid))
+        wait_s = min(descriptor.deadline - time.time(), self.max_wait_s)
         try:
-            result = future.result(timeout=max(descriptor.deadline - time.time(), 0.0))
+            result = future.result(timeout=max(wait_s, 0.0))
         except futures.TimeoutError:
             self.worker.abort(rid)
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid} missed deadline")
-        except Exception as exc:  # transfer failed, aborted, or the worker died
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill of {rid} failed: {exc}")
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            context.abort(_status_of(exc), f"prefill of {rid} failed: {exc}")
         response = worker_pb2.PrefillResponse(
             first_token_id=result.first_token, num_cached_tokens=result.num_cached_tokens,
             transfer_bytes=result.transfer_bytes, transfer_s=result.transfer_s,
@@ -55,7 +83,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return response
 
     def Abort(self, request, context):
-        self.worker.abort(request.request_id)
+        try:
+            self.worker.abort(request.request_id)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return worker_pb2.WorkerAbortResponse(found=True)
 
     def GetLoad(self, request, context):
@@ -69,25 +100,33 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         )
 
 
+def _status_of(exc: BaseException) -> grpc.StatusCode:
+    for failure, status in _FAILURES:
+        if isinstance(exc, failure):
+            return status
+    return grpc.StatusCode.UNAVAILABLE  # closed, or its loop died
+
+
 class PrefillService:
     """A PrefillWorker behind its gRPC server; `address` is what the router dials."""
 
-    def __init__(self, spec: WorkerSpec) -> None:
-        self.server = grpc.server(futures.ThreadPoolExecutor(MAX_RPC_THREADS,
-                                                             thread_name_prefix="prefill-rpc"))
-        self.port = self.server.add_insecure_port(f"{spec.host}:0")
+    def __init__(self, spec: WorkerSpec, secret: ClusterSecret,
+                 redis_password: str | None = None) -> None:
+        self.server = worker_server(secret, MAX_RPC_THREADS, "prefill-rpc")
+        self.port = bind(self.server, spec.host, spec.tls())  # mutual TLS when the spec says
         self.address = f"{spec.host}:{self.port}"
         self.publisher = None
         if spec.redis_url:
             self.publisher = PrefixIndexPublisher(
-                spec.redis_url, spec.redis_password, spec.redis_namespace, spec.worker_id
+                spec.redis_url, redis_password, spec.redis_namespace, spec.worker_id
             )
         self.worker = PrefillWorker(
-            spec.engine_config(), GlooConnector(Endpoint(spec.host, self.port, 0)),
+            spec.engine_config(),
+            GlooConnector(Endpoint(spec.host, self.port, 0), secret=secret),
             spec.model_name, self.publisher,
         )
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
-            PrefillServicer(self.worker, spec.worker_id), self.server
+            PrefillServicer(self.worker, spec.worker_id, spec.max_reservation_s), self.server
         )
         self.server.start()
         logger.info("prefill worker %s serving on %s", spec.worker_id, self.address)

@@ -8,6 +8,11 @@ compute, and the step ends only once every byte has left: blocks are released (k
 prefix cache) after that. The first token is the result. After every loop iteration the
 block pool's stored/evicted hashes go to the prefix index publisher (snapshots when it asks:
 prefill_worker/prefix_events.py). All engine work happens on the worker's loop thread.
+
+Every field a caller sends is checked before anything is queued (ValueError, naming it). A
+request that fails says why by its exception type: `KVPushFailed` (its KV never reached the
+decode side: the peer refused, closed or timed out), `PrefillAborted`, `PrefillStepFailed`
+(this worker's forward pass raised), `PrefillWorkerClosed` (closed, or its loop died).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pdserve.engine.loop import EngineLoop, LoopClosedError
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_output import EngineCoreOutput, TokenLogprobs
+from pdserve.engine.wire import check_prompt, check_request_id
 from pdserve.engine.worker_stats import WorkerStats
 from pdserve.kvtransfer.connector import Connector
 from pdserve.kvtransfer.descriptor import TransferDescriptor
@@ -32,6 +38,22 @@ from pdserve.kvtransfer.push_connector import KVPushConnector
 from pdserve.prefill_worker.prefix_events import PrefixIndexPublisher
 
 logger = logging.getLogger(__name__)
+
+
+class KVPushFailed(RuntimeError):
+    """The request's KV did not reach the decode side (refused, peer lost, deadline)."""
+
+
+class PrefillAborted(RuntimeError):
+    """The request was aborted (Abort, or its caller went away)."""
+
+
+class PrefillStepFailed(RuntimeError):
+    """This worker's step raised while the request was in it."""
+
+
+class PrefillWorkerClosed(RuntimeError):
+    """The worker is closed, or its loop died: it serves nothing more."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,30 +94,39 @@ class PrefillWorker:
         params: SamplingParams,
         descriptor: TransferDescriptor,
     ) -> Future[PrefillResult]:
-        """Queue a prompt; the future gives its first token once its KV has been pushed."""
+        """Queue a prompt; the future gives its first token once its KV has been pushed.
+        ValueError (now, or from the future for a request_id already in flight) names a bad
+        field; the future's other failures are the exception types above."""
+        check_request_id(request_id)
+        model = self.config.model
+        prompt = check_prompt(prompt_token_ids, model.vocab_size, model.max_model_len)
+        if descriptor.request_id != request_id:
+            raise ValueError(f"descriptor is for request {descriptor.request_id!r}, "
+                             f"not {request_id!r}")
         descriptor.check_layout(self.layout)
         if tuple(descriptor.sources) != (self.endpoint,):
             raise ValueError(f"descriptor of {request_id!r} names sources "
                              f"{[s.key for s in descriptor.sources]}; this prefill worker is "
                              f"{self.endpoint.key}")
-        num_blocks = -(-len(prompt_token_ids) // self.layout.block_size)
+        num_blocks = -(-len(prompt) // self.layout.block_size)
         if descriptor.num_blocks != num_blocks:
             raise ValueError(
                 f"descriptor reserves {descriptor.num_blocks} blocks, the prompt needs {num_blocks}"
             )
         first_token_only = dataclasses.replace(params, max_tokens=1, stop=())
-        request = Request(request_id, tuple(prompt_token_ids), first_token_only,
+        request = Request(request_id, prompt, first_token_only,
                           self.config.model.eos_token_ids, kv_transfer=descriptor)
         result: Future[PrefillResult] = Future()
         try:
             added = self._loop.submit(lambda: self._add(request, result))
         except LoopClosedError as exc:
-            raise RuntimeError(f"prefill worker is closed ({exc})") from None
+            raise PrefillWorkerClosed(f"prefill worker is closed ({exc})") from None
         added.add_done_callback(lambda f: _fail_if_raised(f, result))
         return result
 
     def abort(self, request_id: str) -> None:
         """Drop a queued or half-prefilled prompt; its future fails. Unknown ids are ignored."""
+        check_request_id(request_id)
         with contextlib.suppress(LoopClosedError):  # a closed worker holds nothing
             self._loop.submit(lambda: self._abort(request_id))
 
@@ -121,29 +152,31 @@ class PrefillWorker:
         self.core.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         future = self._results.pop(request_id, None)
         if future is not None:
-            future.set_exception(RuntimeError(f"request {request_id} aborted"))
+            future.set_exception(PrefillAborted(f"request {request_id} aborted"))
 
     def _step(self) -> bool:
         busy = self.core.has_unfinished_requests()
         if busy:
+            failure: type[RuntimeError] = KVPushFailed  # the only error of a step that returns
             try:
                 outputs = self.core.step()
             except Exception as exc:  # the worker survives a failed batch; its requests fail
                 logger.exception("prefill step failed")
                 outputs = self.core.abort_step(f"prefill step failed: {exc}")
+                failure = PrefillStepFailed
                 if not outputs:  # not a step's failure: nothing to pin it on
                     raise
             for out in outputs:
-                self._resolve(out)
+                self._resolve(out, failure)
         self._publish_cache_events()
         return busy
 
-    def _resolve(self, out: EngineCoreOutput) -> None:
+    def _resolve(self, out: EngineCoreOutput, failure: type[RuntimeError]) -> None:
         future = self._results.pop(out.request_id, None)
         if future is None:
             return
         if out.finish_reason == RequestStatus.FINISHED_ERROR.value:
-            future.set_exception(RuntimeError(out.error))
+            future.set_exception(failure(out.error))
             return
         assert out.kv_save is not None, "a prefill request's last chunk pushes its KV"
         future.set_result(PrefillResult(
@@ -165,7 +198,7 @@ class PrefillWorker:
         """The loop died: fail every waiting caller rather than leave it hanging."""
         results, self._results = self._results, {}
         for future in results.values():
-            future.set_exception(RuntimeError(f"prefill worker died: {exc}"))
+            future.set_exception(PrefillWorkerClosed(f"prefill worker died: {exc}"))
 
 
 def _fail_if_raised(added: Future, result: Future) -> None:

@@ -13,3 +13,12 @@ class RouterConfig:
     kv_transfer_timeout_s: float = 30.0
     max_local_prefill_tokens: int = 256
     colocated: bool = False  # no prefill pool: every decode worker prefills its own prompts
+    # a decode worker whose output stream says nothing (not even its 1 s keepalive) this long
+    # is down, and every request on it ends UNAVAILABLE
+    outputs_silence_s: float = 10.0
+    worker_rpc_timeout_s: float = 10.0  # Reserve / Start / Submit; late = retried elsewhere
+
+    def __post_init__(self) -> None:
+        for name in ("kv_transfer_timeout_s", "outputs_silence_s", "worker_rpc_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 (seconds), got {getattr(self, name)}")

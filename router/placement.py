@@ -4,15 +4,17 @@ Pick a decode worker (session affinity, KV headroom) -> either let it prefill a 
 prompt itself, or reserve its blocks, prefill on the chosen prefill worker (queue length,
 Redis prefix hits), which pushes the KV there, and start decode with the first token. The
 choices are `policy`'s pure functions; the placer applies them. A decode worker that refuses
-is skipped (with backoff while every one is full, until the KV transfer deadline); a prefill
-worker lost mid-prompt is retried on another, under a fresh worker-side request id.
+(or answers too late) is skipped, with backoff while every one is full, until the KV transfer
+deadline. An attempt that fails for a reason another attempt may not meet (a prefill worker
+lost mid-prompt, a KV transfer the decode side failed, a reservation that expired) is undone
+on the decode side and placed again, under a fresh worker-side id, at most MAX_ATTEMPTS times.
+An Abort is honoured at every step: the flight is re-checked after every await.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from collections.abc import Mapping
 
@@ -22,7 +24,8 @@ from pdserve.engine.block_hash import hash_blocks
 from pdserve.engine.wire import sampling_to_proto
 from pdserve.proto import worker_pb2
 from pdserve.router.config import RouterConfig
-from pdserve.router.flight import Flight, Placement
+from pdserve.router.decode_client import DecodeClient
+from pdserve.router.flight import Flight, Placement, new_worker_request_id
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import (
     DecodeLoad,
@@ -34,20 +37,20 @@ from pdserve.router.policy import (
     shared_prefix_len,
 )
 from pdserve.router.store import RedisStore, Session
-from pdserve.router.validation import ValidRequest
-from pdserve.router.workers import DecodeClient, PrefillClient, WorkerLost
+from pdserve.router.validation import InvalidArgument, ValidRequest
+from pdserve.router.workers import PrefillClient, ReservationLost, WorkerBusy, WorkerLost
 
 logger = logging.getLogger(__name__)
 
 RETRY_S = (0.005, 0.1)  # backoff while every decode worker is full
-MAX_PREFILL_ATTEMPTS = 3  # a prefill worker that dies mid-prompt: retry on another
+MAX_ATTEMPTS = 3  # failed attempts (lost prefill worker, failed transfer, ...) before giving up
 
 
 class Aborted(Exception):
     """Abort was called before the request reached a decode worker."""
 
 
-class PrefillLost(Exception):
+class PrefillLost(WorkerLost):
     """The prefill worker failed before the first token: the request can go elsewhere."""
 
     def __init__(self, worker_id: str, detail: str) -> None:
@@ -55,8 +58,21 @@ class PrefillLost(Exception):
         self.worker_id = worker_id
 
 
+class DecodeSideFailed(WorkerLost):
+    """The prefill worker's KV push failed because of the decode side (Prefill: ABORTED)."""
+
+
 class NoCapacity(Exception):
     """No decode worker could hold the request's KV before its deadline."""
+
+
+RETRYABLE = (PrefillLost, DecodeSideFailed, ReservationLost, WorkerBusy)
+
+
+def _check(flight: Flight) -> None:
+    """Abort may come during any await: an aborted flight goes no further."""
+    if flight.aborted:
+        raise Aborted
 
 
 class Placer:
@@ -69,34 +85,37 @@ class Placer:
         self.prefill, self.decode = prefill, decode
 
     async def place(self, req: ValidRequest, flight: Flight) -> Placement:
-        """Start the request on some worker(s); its placement. Aborted, NoCapacity or
-        WorkerLost when it can't be."""
+        """Start the request on some worker(s); its placement. Aborted, NoCapacity,
+        InvalidArgument or WorkerLost when it can't be. Whatever raises leaves `flight`
+        naming the decode worker of the last attempt (the caller releases it)."""
         session = None
         if req.session_id and self.store is not None:
             session = await self.store.get_session(req.session_id)
         deadline = time.monotonic() + self.config.kv_transfer_timeout_s
         excluded: set[str] = set()
         lost_prefill: set[str] = set()
+        failures: list[WorkerLost] = []
         for delay in _backoff():
-            if flight.aborted:
-                raise Aborted
+            _check(flight)
             decode = self._choose_decode(req, session, excluded)
             if decode is None:
                 self._check_room(deadline)
                 excluded.clear()
                 await asyncio.sleep(delay)
                 continue
-            if lost_prefill:  # a retry: no late message of the last attempt may match it
-                flight.worker_request_id = f"{req.request_id}~{secrets.token_hex(6)}"
+            flight.worker_request_id = new_worker_request_id(req.request_id)
             placement = Placement(decode, decode.open(flight.worker_request_id))
             flight.decode = decode
             try:
                 if await self._dispatch(req, flight, placement, session, deadline, lost_prefill):
                     return placement
-                excluded.add(decode.worker_id)
-            except PrefillLost as exc:
-                await self._prefill_lost(req, decode, flight.worker_request_id, exc,
-                                         lost_prefill)
+                excluded.add(decode.worker_id)  # refused: it holds nothing for the request
+            except RETRYABLE as exc:
+                _check(flight)
+                await self._failed_attempt(req, flight, exc, excluded, lost_prefill, failures)
+            except (WorkerLost, InvalidArgument):
+                _check(flight)  # the failure may be the abort's own doing
+                raise
             decode.close_request(flight.worker_request_id)
             flight.decode = None
         raise AssertionError("unreachable")
@@ -108,14 +127,21 @@ class Placer:
         if time.monotonic() > deadline:
             raise NoCapacity("every decode worker's KV cache is full; retry later")
 
-    async def _prefill_lost(self, req: ValidRequest, decode: DecodeClient, rid: str,
-                            exc: PrefillLost, lost_prefill: set[str]) -> None:
-        """Free the decode side of the failed attempt; WorkerLost after too many."""
-        lost_prefill.add(exc.worker_id)
-        await decode.abort(rid)  # it named the lost worker
-        if len(lost_prefill) >= MAX_PREFILL_ATTEMPTS:
-            raise WorkerLost(str(exc)) from None
-        logger.warning("%s: %s; retrying on another prefill worker", req.request_id, exc)
+    async def _failed_attempt(self, req: ValidRequest, flight: Flight, exc: WorkerLost,
+                              excluded: set[str], lost_prefill: set[str],
+                              failures: list[WorkerLost]) -> None:
+        """Undo the attempt on its decode worker and steer the next one away from the cause;
+        WorkerLost after MAX_ATTEMPTS failures."""
+        decode = flight.decode
+        await decode.abort(flight.worker_request_id)  # frees its reservation, if any
+        if isinstance(exc, PrefillLost):
+            lost_prefill.add(exc.worker_id)
+        elif not isinstance(exc, ReservationLost):  # expired: that worker is not to blame
+            excluded.add(decode.worker_id)
+        failures.append(exc)
+        if len(failures) >= MAX_ATTEMPTS:
+            raise WorkerLost(f"{len(failures)} attempts failed, the last: {exc}") from None
+        logger.warning("%s: %s; placing it again", req.request_id, exc)
 
     async def _dispatch(self, req: ValidRequest, flight: Flight, placement: Placement,
                         session: Session | None, deadline: float,
@@ -128,20 +154,26 @@ class Placer:
             placement.session_hit = shared_prefix_len(session.token_ids, prompt)
         if self.config.colocated or placement.session_hit and prefill_locally(
                 len(prompt), placement.session_hit, self.config.max_local_prefill_tokens):
-            return await decode.submit(worker_pb2.SubmitRequest(
+            granted = await decode.submit(worker_pb2.SubmitRequest(
                 request_id=rid, prompt_token_ids=prompt, sampling=sampling))
+            _check(flight)
+            return granted
         prefill, hits = await self.choose_prefill(prompt, lost_prefill)
+        _check(flight)
         wall_deadline = time.time() + max(deadline - time.monotonic(), 0.0)
         reply = await decode.reserve(worker_pb2.ReserveRequest(
             request_id=rid, prompt_token_ids=prompt, sampling=sampling,
             sources=[prefill.source], deadline=wall_deadline))
+        _check(flight)
         if not reply.granted:
             return False
         request = worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt,
                                             sampling=sampling, descriptor=reply.descriptor)
         placement.prefill = await self._prefill(flight, prefill, request, len(prompt) - hits,
                                                 deadline)
+        _check(flight)
         await self._start_decode(decode, rid, placement.prefill)
+        _check(flight)
         return True
 
     async def _prefill(self, flight: Flight, prefill: PrefillClient,
@@ -153,11 +185,8 @@ class Placer:
             return await prefill.prefill(request, num_new_tokens,
                                          timeout=max(deadline - time.monotonic(), 0.001))
         except grpc.aio.AioRpcError as exc:
-            if flight.aborted:
-                raise Aborted from None
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                prefill.mark_down(exc.details())
-            raise PrefillLost(prefill.worker_id, exc.details()) from None
+            _check(flight)
+            raise _prefill_error(prefill, exc) from None
         finally:
             flight.prefill = None
 
@@ -171,20 +200,19 @@ class Placer:
 
     def _choose_decode(self, req: ValidRequest, session: Session | None,
                        excluded: set[str]) -> DecodeClient | None:
-        loads = [
-            DecodeLoad(c.worker_id, c.load.num_blocks,
-                       c.load.num_free_blocks - c.num_pending[0],
-                       c.load.num_running + c.load.num_waiting + c.num_pending[1],
-                       c.load.max_num_seqs)
-            for c in self.decode.values() if c.in_rotation and c.load is not None
-        ]
         info = RoutingInfo(
             len(req.prompt_token_ids),
             -(-(len(req.prompt_token_ids) + 1) // self.config.block_size),
             session.decode_worker if session else None,
         )
-        chosen = choose_decode(loads, info, excluded)
-        if chosen is None:
+        # a worker whose last load poll was late is served only when no fresh one fits
+        for stale in (False, True):
+            loads = [_decode_load(c) for c in self.decode.values()
+                     if c.in_rotation and c.load is not None and c.load_stale == stale]
+            chosen = choose_decode(loads, info, excluded)
+            if chosen is not None:
+                break
+        else:
             return None
         decode = self.decode[chosen]
         decode.note_sent(info.num_blocks_needed)
@@ -204,6 +232,29 @@ class Placer:
         loads = [PrefillLoad(c.worker_id, c.num_inflight, c.num_inflight_tokens) for c in up]
         chosen = choose_prefill(loads, RoutingInfo(len(prompt), 0, prefix_hits=hits))
         return self.prefill[chosen], hits.get(chosen, 0)
+
+
+def _prefill_error(prefill: PrefillClient, exc: grpc.aio.AioRpcError) -> Exception:
+    """Which side a failed Prefill is on: the request, the decode side, or the prefill worker
+    (marked down only when it said it is going away or could not be reached)."""
+    code = exc.code()
+    if code == grpc.StatusCode.ABORTED:
+        return DecodeSideFailed(f"the KV transfer from {prefill.worker_id} failed on the "
+                                f"decode side: {exc.details()}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:  # the request's KV deadline: no time to retry
+        return WorkerLost(f"prefill on {prefill.worker_id} did not finish within the KV "
+                          f"transfer deadline")
+    error = prefill.error(exc)
+    if isinstance(error, InvalidArgument):
+        return error
+    return PrefillLost(prefill.worker_id, f"{code.name}: {exc.details()}")
+
+
+def _decode_load(c: DecodeClient) -> DecodeLoad:
+    """Its last report, less what the router has sent it since."""
+    return DecodeLoad(c.worker_id, c.load.num_blocks, c.load.num_free_blocks - c.num_pending[0],
+                      c.load.num_running + c.load.num_waiting + c.num_pending[1],
+                      c.load.max_num_seqs)
 
 
 def _backoff():

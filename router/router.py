@@ -5,31 +5,45 @@ prefill worker, unless the decode worker prefills it itself), then stream the de
 worker's deltas as GenerateResponse messages (`ResponseStream`: detokenized, cut at stop
 strings). Whatever ends a request (finish, stop string, client cancel, deadline, Abort, a
 worker failure) frees its blocks on every worker that held any. The router also keeps the
-table of workers: registered, replaced after a restart, drained, marked down.
+table of workers: registered, replaced after a restart, drained, marked down; it talks to
+them with the cluster secret on every RPC, over mutual TLS when `worker_tls` is given (see
+pdserve.worker_grpc: one certificate named WORKER_TLS_NAME for the whole worker plane).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
+from pdserve.cluster_secret import ClusterSecret
 from pdserve.proto import pdserve_pb2
 from pdserve.router.admission import Admission
 from pdserve.router.config import RouterConfig
+from pdserve.router.decode_client import DecodeClient
 from pdserve.router.flight import Flight, Placement
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placement import Aborted, Placer
 from pdserve.router.store import RedisStore
 from pdserve.router.stream import ResponseStream
 from pdserve.router.validation import InvalidArgument, ModelContext, ValidRequest
-from pdserve.router.workers import DecodeClient, PrefillClient, WorkerClient
+from pdserve.router.workers import PrefillClient, WorkerClient
+from pdserve.tls import TLSFiles
+
+# a request_id reused right after a cancel: the old request is on its way out, wait for it
+REUSE_GRACE_S = 1.0
 
 
 class Router:
     def __init__(self, model: ModelContext, config: RouterConfig, metrics: RouterMetrics,
-                 store: RedisStore | None = None) -> None:
+                 store: RedisStore | None = None, *, secret: ClusterSecret,
+                 worker_tls: TLSFiles | None = None) -> None:
+        if not isinstance(secret, ClusterSecret):
+            raise ValueError("Router needs the cluster's ClusterSecret (secret=...): workers "
+                             "refuse every RPC without it")
         self.model, self.config, self.metrics, self.store = model, config, metrics, store
+        self.secret, self.worker_tls = secret, worker_tls
         self.admission = Admission(config.max_inflight_requests, config.max_queued_requests)
         self.prefill: dict[str, PrefillClient] = {}
         self.decode: dict[str, DecodeClient] = {}
@@ -44,8 +58,10 @@ class Router:
         """Register a worker, or re-register one that restarted (new address)."""
         pool: dict = self.prefill if role == "prefill" else self.decode
         old = pool.pop(worker_id, None)
-        client = PrefillClient(worker_id, address) if role == "prefill" else DecodeClient(
-            worker_id, address)
+        timeout = self.config.worker_rpc_timeout_s
+        client = PrefillClient(worker_id, address, self.secret, timeout, self.worker_tls) \
+            if role == "prefill" else DecodeClient(worker_id, address, self.secret, timeout,
+                                                   self.config.outputs_silence_s, self.worker_tls)
         pool[worker_id] = client
         client.start()
         if old is not None:
@@ -65,6 +81,7 @@ class Router:
         await client.close()
 
     def mark_down(self, worker_id: str) -> None:
+        """The supervisor's word: out of rotation, and every request on it ends UNAVAILABLE."""
         for client in self.workers():
             if client.worker_id == worker_id:
                 client.mark_down("reported dead by the supervisor")
@@ -91,10 +108,9 @@ class Router:
 
     async def generate(self, req: ValidRequest,
                        received: float) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
-        if req.request_id in self.flights:
-            raise InvalidArgument(f"request_id {req.request_id!r} is already in flight")
-        flight = Flight(req.request_id, req.request_id)
-        self.flights[req.request_id] = flight
+        await self._wait_reusable(req.request_id)
+        flight = Flight(req.request_id)
+        self.flights[req.request_id] = flight  # no await since the check: no one else took it
         self.num_received += 1
         try:
             async with self.admission.slot():
@@ -113,8 +129,20 @@ class Router:
                 self._after(req, placement, stream)
         finally:
             del self.flights[req.request_id]
+            flight.ended.set()
+            if flight.decode is not None:  # whatever ended it: its queue goes with it
+                flight.decode.close_request(flight.worker_request_id)
             if not flight.done:
                 self._spawn(self._release(flight))
+
+    async def _wait_reusable(self, request_id: str) -> None:
+        """InvalidArgument if `request_id` is still in flight after REUSE_GRACE_S."""
+        old = self.flights.get(request_id)
+        if old is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(old.ended.wait(), REUSE_GRACE_S)
+        if request_id in self.flights:
+            raise InvalidArgument(f"request_id {request_id!r} is already in flight")
 
     async def abort(self, request_id: str) -> bool:
         flight = self.flights.get(request_id)
@@ -138,7 +166,6 @@ class Router:
         if flight.prefill is not None:
             await flight.prefill.abort(flight.worker_request_id)
         if flight.decode is not None:
-            flight.decode.close_request(flight.worker_request_id)
             await flight.decode.abort(flight.worker_request_id)
 
     def _spawn(self, coro) -> None:

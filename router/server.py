@@ -2,9 +2,12 @@
 
 Status codes: INVALID_ARGUMENT names the field; RESOURCE_EXHAUSTED when the admission queue
 is full or no decode worker finds KV room in time; UNAVAILABLE when a worker holding the
-request dies or none is up. Health: "" and "pdserve.v1.Inference" are SERVING while at least
-one decode and (unless colocated) one prefill worker are up; "pdserve.redis" is NOT_SERVING
-while Redis is unreachable (degraded: prefix routing and sessions are off, serving goes on).
+request dies or none is up; DEADLINE_EXCEEDED past the server's own cap (`max_timeout_s`),
+whatever deadline the client gave. TLS (and client certificates) when `tls` is given.
+GetStats reports loads, never worker addresses (the worker plane is not the public's).
+Health: "" and "pdserve.v1.Inference" are SERVING while at least one decode and (unless
+colocated) one prefill worker are up; "pdserve.redis" is NOT_SERVING while Redis is
+unreachable (degraded: prefix routing and sessions are off, serving goes on).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator, Sequence
+from typing import TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -22,12 +27,19 @@ from grpc_reflection.v1alpha import reflection
 from pdserve import defaults
 from pdserve.proto import pdserve_pb2, worker_pb2
 from pdserve.router.admission import Overloaded
-from pdserve.router.auth import TokenAuth
+from pdserve.router.auth import APITokens, TokenAuth, call_tenant
 from pdserve.router.placement import NoCapacity
 from pdserve.router.router import Router
 from pdserve.router.stream import WorkerFailed
-from pdserve.router.validation import InvalidArgument, parse_generate_request, validate
+from pdserve.router.validation import (
+    DEFAULT_LIMITS,
+    InvalidArgument,
+    RequestLimits,
+    parse_generate_request,
+    validate,
+)
 from pdserve.router.workers import WorkerLost
+from pdserve.tls import TLSFiles
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +48,21 @@ REDIS_HEALTH = "pdserve.redis"
 MAINTENANCE_S = 0.5
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+T = TypeVar("T")
+
+
+class ServerDeadline(Exception):
+    """A Generate ran past the server's cap on request time."""
 
 
 class InferenceServicer:
-    def __init__(self, router: Router) -> None:
-        self.router = router
+    def __init__(self, router: Router, tokens: APITokens | None = None,
+                 limits: RequestLimits = DEFAULT_LIMITS,
+                 max_timeout_s: float = defaults.GRPC_TIMEOUT_S) -> None:
+        if not max_timeout_s > 0:
+            raise ValueError(f"max_timeout_s must be > 0, got {max_timeout_s}")
+        self.router, self.tokens, self.limits = router, tokens, limits
+        self.max_timeout_s = max_timeout_s
 
     async def Generate(self, request, context):
         received = time.monotonic()
@@ -49,10 +71,21 @@ class InferenceServicer:
         try:
             if isinstance(request, InvalidArgument):
                 raise request
-            valid = await asyncio.to_thread(validate, request, self.router.model)
-            async for message in self.router.generate(valid, received):
+            tenant = call_tenant(self.tokens, context.invocation_metadata())
+            if tenant is None:  # TokenAuth refuses these first; never serve one regardless
+                status = "invalid"
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API token")
+            valid = await asyncio.to_thread(validate, request, self.router.model, self.limits,
+                                            tenant)
+            stream = self.router.generate(valid, received)
+            async for message in _within(stream, received + self.max_timeout_s):
                 yield message
             status = "ok"
+        except ServerDeadline:
+            status = "deadline"
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"the request ran past the server's limit of "
+                                f"{self.max_timeout_s:g} s")
         except InvalidArgument as exc:
             status = "invalid"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -91,14 +124,33 @@ class InferenceServicer:
                                   redis_up=router.store is not None and router.store.healthy)
         for c in router.workers():
             load = c.load or worker_pb2.WorkerLoad()
-            stats.workers.append(pdserve_pb2.WorkerStats(
-                worker_id=c.worker_id, role=c.role, address=c.address, up=c.up,
+            stats.workers.append(pdserve_pb2.WorkerStats(  # no address: not the public's
+                worker_id=c.worker_id, role=c.role, up=c.up,
                 num_blocks=load.num_blocks, num_free_blocks=load.num_free_blocks,
                 num_used_blocks=load.num_used_blocks, num_running=load.num_running,
                 num_waiting=load.num_waiting, num_cached_blocks=load.num_cached_blocks,
                 tp_size=load.tp_size or 1,
             ))
         return stats
+
+
+async def _within(stream: AsyncIterator[T], deadline: float) -> AsyncIterator[T]:
+    """`stream`'s items until `deadline` (time.monotonic), then ServerDeadline; the stream is
+    closed either way, so the router frees whatever the request held."""
+    try:
+        while True:
+            try:
+                async with asyncio.timeout(deadline - time.monotonic()) as budget:
+                    item = await anext(stream)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                if budget.expired():
+                    raise ServerDeadline from None
+                raise
+            yield item
+    finally:
+        await stream.aclose()
 
 
 def _parse_abort(data: bytes):
@@ -127,18 +179,25 @@ class RouterServer:
     """The gRPC server around a Router, plus the loop that keeps health and gauges current."""
 
     def __init__(self, router: Router, host: str = defaults.HOST, port: int = 0,
-                 api_token: str | None = None) -> None:
+                 api_tokens: APITokens | str | Sequence[str] | None = None, *,
+                 tls: TLSFiles | None = None, limits: RequestLimits = DEFAULT_LIMITS,
+                 max_timeout_s: float = defaults.GRPC_TIMEOUT_S) -> None:
         self.router = router
-        self.server = grpc.aio.server(interceptors=[TokenAuth(api_token)] if api_token else [])
-        self.server.add_generic_rpc_handlers((_handlers(InferenceServicer(router)),))
+        tokens = APITokens.of(api_tokens)
+        self.server = grpc.aio.server(interceptors=[TokenAuth(tokens)] if tokens else [])
+        servicer = InferenceServicer(router, tokens, limits, max_timeout_s)
+        self.server.add_generic_rpc_handlers((_handlers(servicer),))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        bind = f"{host}:{port}"
+        self.port = (self.server.add_secure_port(bind, tls.server_credentials()) if tls
+                     else self.server.add_insecure_port(bind))
         if not self.port:
             raise ValueError(f"port: could not bind {host}:{port}")
         self.address = f"{host}:{self.port}"
+        self.tls = tls is not None  # clients need TLS (grpcs) to reach it
         self._maintenance: asyncio.Task | None = None
 
     async def start(self) -> None:

@@ -7,6 +7,18 @@ Redis is advisory here, never on the critical path: every call is bounded by `ti
 answers "unknown" (None, {}, nothing done) on any Redis trouble, so routing falls back to
 load-only. Health flips (and is logged) only on transitions; any successful call, or the
 periodic `check()`, brings it back.
+
+Session policy (a session is a routing hint, never state a request depends on):
+- Owned by a tenant: session ids arrive scoped by the front as `<tenant>/<client's id>`
+  (`pdserve.redis_keys.scoped_session_id`, the tenant is the hash of the caller's API token),
+  so a client can neither read nor overwrite another token's session, whatever id it sends.
+- Bounded in size: at most `session_max_tokens` tokens of history are kept, the *leading*
+  ones: the history is only ever matched as a prefix of the next turn's prompt (what the
+  session's decode worker still holds), so the oldest tokens are the useful ones.
+- Bounded in count: each tenant keeps at most `max_sessions_per_tenant` sessions; a put that
+  goes past it drops that tenant's least recently used ones (one atomic script).
+- Bounded in time: a session expires `session_ttl_s` after its last turn.
+Beyond that the bundled Redis evicts least recently used keys at its `maxmemory`.
 """
 
 from __future__ import annotations
@@ -14,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -27,6 +40,27 @@ from pdserve import redis_keys
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+# KEYS: the session, its tenant's index. ARGV: token_ids, decode_worker, ttl_s, now_ms, cap.
+# The session is written, then the index drops expired entries and, past the cap, the least
+# recently used sessions (their keys with them). Returns how many were dropped for the cap.
+_PUT_SESSION = """
+redis.call('HSET', KEYS[1], 'token_ids', ARGV[1], 'decode_worker', ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+local now = tonumber(ARGV[4])
+redis.call('ZADD', KEYS[2], now, KEYS[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - tonumber(ARGV[3]) * 1000)
+local extra = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[5])
+if extra > 0 then
+  local oldest = redis.call('ZPOPMIN', KEYS[2], extra)
+  for i = 1, #oldest, 2 do redis.call('DEL', oldest[i]) end
+else
+  extra = 0
+end
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+return extra
+"""
 
 
 @dataclass(frozen=True)
@@ -43,6 +77,8 @@ class RedisStore:
         namespace: str = redis_keys.DEFAULT_NAMESPACE,
         timeout_s: float = 0.05,
         session_ttl_s: int = 3600,
+        session_max_tokens: int = 16384,
+        max_sessions_per_tenant: int = 10000,
     ) -> None:
         if not namespace:
             raise ValueError("namespace must be non-empty (it prefixes every key)")
@@ -50,9 +86,15 @@ class RedisStore:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if session_ttl_s < 1:
             raise ValueError(f"session_ttl_s must be >= 1 second, got {session_ttl_s}")
+        for name, value in (("session_max_tokens", session_max_tokens),
+                            ("max_sessions_per_tenant", max_sessions_per_tenant)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         self.namespace = namespace
         self.timeout_s = timeout_s
         self.session_ttl_s = session_ttl_s
+        self.session_max_tokens = session_max_tokens
+        self.max_sessions_per_tenant = max_sessions_per_tenant
         pool = aioredis.ConnectionPool.from_url(
             url,
             socket_timeout=timeout_s,
@@ -62,6 +104,7 @@ class RedisStore:
         if password is not None:  # the explicit argument wins over a password in the URL
             pool.connection_kwargs["password"] = password
         self._redis = aioredis.Redis(connection_pool=pool)
+        self._put_session = self._redis.register_script(_PUT_SESSION)
         self._healthy = True
 
     @property
@@ -96,19 +139,17 @@ class RedisStore:
     async def put_session(
         self, session_id: str, token_ids: Sequence[int], decode_worker: str
     ) -> None:
+        """Record a session's history (its leading `session_max_tokens` tokens) and worker."""
         key = self.session_key(session_id)
-        mapping = {
-            "token_ids": json.dumps([int(t) for t in token_ids]),
-            "decode_worker": decode_worker,
-        }
-
-        async def put() -> None:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.hset(key, mapping=mapping)
-                pipe.expire(key, self.session_ttl_s)
-                await pipe.execute()
-
-        await self._call("put_session", put, None)
+        index = redis_keys.sessions_index_key(self.namespace,
+                                              redis_keys.session_tenant(session_id))
+        kept = json.dumps([int(t) for t in token_ids[:self.session_max_tokens]])
+        args = [kept, decode_worker, self.session_ttl_s, int(time.time() * 1000),
+                self.max_sessions_per_tenant]
+        dropped = await self._call(
+            "put_session", lambda: self._put_session(keys=[key, index], args=args), None)
+        if dropped:
+            logger.debug("session cap of %s: dropped %d least recently used", index, dropped)
 
     async def prefix_hits(
         self, block_hashes: Sequence[bytes], worker_ids: Sequence[str]

@@ -3,6 +3,11 @@
 Each refusal is an InvalidArgument naming the field (`prompt`, `sampling.top_p`, ...), which
 the servicer returns as INVALID_ARGUMENT. Requests whose strings are not UTF-8 never parse as
 pdserve.v1 messages: `parse_generate_request` re-reads them as raw bytes to name the field.
+
+Every client-given size is bounded (`RequestLimits`, ids): stop strings are scanned on every
+streamed token on the router's event loop and stop ids travel in every tensor-parallel plan,
+so their count and length are capped before anything else is done with the request.
+A session id is scoped by the caller's tenant (`pdserve.redis_keys.scoped_session_id`).
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.engine.wire import sampling_from_proto
 from pdserve.proto import pdserve_pb2, raw_pb2
+from pdserve.redis_keys import PUBLIC_TENANT, scoped_session_id
 
-MAX_ID_CHARS = 256
+MAX_REQUEST_ID_CHARS = 128  # room for the router's retry suffix in a 256-char worker id
+MAX_ID_CHARS = 256  # session_id
 
 
 class InvalidArgument(ValueError):
@@ -44,6 +51,23 @@ class ModelContext:
         config = load_model_config(path, dtype, max_model_len)
         return cls(name, load_tokenizer(path), config.vocab_size,
                    config.max_model_len, config.dtype, config.eos_token_ids)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Caps on client-given lists (settings max_stop_strings, ...)."""
+
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("max_stop_strings", "max_stop_string_chars", "max_stop_token_ids"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+DEFAULT_LIMITS = RequestLimits()
 
 
 @dataclass(frozen=True)
@@ -81,10 +105,15 @@ def _bad_utf8_field(data: bytes) -> str | None:
     return None
 
 
-def validate(request: pdserve_pb2.GenerateRequest, model: ModelContext) -> ValidRequest:
-    """Token ids and checked SamplingParams of a request, or InvalidArgument naming the field."""
-    request_id = _check_id("request_id", request.request_id) or f"req-{uuid.uuid4().hex}"
-    session_id = _check_id("session_id", request.session_id)
+def validate(request: pdserve_pb2.GenerateRequest, model: ModelContext,
+             limits: RequestLimits = DEFAULT_LIMITS,
+             tenant: str = PUBLIC_TENANT) -> ValidRequest:
+    """Token ids and checked SamplingParams of a request, or InvalidArgument naming the field.
+    `tenant` is the caller's (router.auth): the returned session id lives in its namespace."""
+    request_id = (_check_id("request_id", request.request_id, MAX_REQUEST_ID_CHARS)
+                  or f"req-{uuid.uuid4().hex}")
+    session_id = scoped_session_id(tenant, _check_id("session_id", request.session_id))
+    check_limits(request.sampling, limits)
     if request.model and request.model != model.name:
         raise InvalidArgument(
             f"model {request.model!r} is not served here; this router serves {model.name!r}"
@@ -132,7 +161,21 @@ def _prompt_ids(request: pdserve_pb2.GenerateRequest, model: ModelContext) -> li
         raise InvalidArgument(str(exc)) from None
 
 
-def _check_id(name: str, value: str) -> str:
-    if len(value) > MAX_ID_CHARS:
-        raise InvalidArgument(f"{name} is {len(value)} characters; the limit is {MAX_ID_CHARS}")
+def check_limits(sampling: pdserve_pb2.SamplingParams, limits: RequestLimits) -> None:
+    """The stop lists within their caps (checked first: cheap, before any tokenizer work)."""
+    if len(sampling.stop) > limits.max_stop_strings:
+        raise InvalidArgument(f"sampling.stop: {len(sampling.stop)} stop strings; the limit "
+                              f"is {limits.max_stop_strings}")
+    for i, text in enumerate(sampling.stop):
+        if len(text) > limits.max_stop_string_chars:
+            raise InvalidArgument(f"sampling.stop[{i}] is {len(text)} characters; the limit "
+                                  f"is {limits.max_stop_string_chars}")
+    if len(sampling.stop_token_ids) > limits.max_stop_token_ids:
+        raise InvalidArgument(f"sampling.stop_token_ids: {len(sampling.stop_token_ids)} ids; "
+                              f"the limit is {limits.max_stop_token_ids}")
+
+
+def _check_id(name: str, value: str, limit: int = MAX_ID_CHARS) -> str:
+    if len(value) > limit:
+        raise InvalidArgument(f"{name} is {len(value)} characters; the limit is {limit}")
     return value

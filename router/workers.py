@@ -1,10 +1,17 @@
-"""The router's view of each worker: a gRPC client, its last load, whether it is up.
+"""The router's view of each worker: an authenticated gRPC client, its last load, whether it is up.
 
-Every worker is polled for its load (`GetLoad`) every LOAD_INTERVAL_S; a failed poll or a
-broken output stream takes it out of rotation at once, a good poll puts it back. A decode
-worker's `Outputs` stream is read by one task here and sorted into per-request queues; when
-it breaks, every request on that worker ends with WorkerLost (UNAVAILABLE to the client),
-never a hang.
+Liveness and load are separate signals. A worker is down when its process is: the connection
+is refused or broken (UNAVAILABLE, gRPC keepalive pings unanswered), it says it is going
+away, the supervisor reports it dead (`mark_down`), or, for a decode worker, its `Outputs`
+stream breaks or stays silent for `silence_s` (a healthy worker sends at least a keepalive
+every second). A late or failed `GetLoad` poll is no death: the worker stays in rotation with
+its last load, marked stale. A decode worker's `Outputs` stream is read by one task here and
+sorted into per-request queues; when the worker goes down, every request on it ends with
+WorkerLost (UNAVAILABLE to the client) at once, never a hang.
+
+With worker-plane mutual TLS (`tls`), each channel is TLS, presents the cluster's certificate
+and verifies the worker's against the cluster CA under the name WORKER_TLS_NAME (workers are
+dialed by IP; one certificate with that DNS name serves them all).
 """
 
 from __future__ import annotations
@@ -16,37 +23,71 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve.cluster_secret import ClusterSecret
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.router.validation import InvalidArgument
+from pdserve.tls import TLSFiles
+from pdserve.worker_grpc import MESSAGE_OPTIONS, TLS_CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
 
 LOAD_INTERVAL_S = 0.2
 LOAD_TIMEOUT_S = 2.0
+RPC_TIMEOUT_S = 10.0  # Reserve / Start / Submit: generous, a saturated CPU answers late
+OUTPUTS_SILENCE_S = 10.0
 RECONNECT_S = 0.5
+# 64 MiB both ways (a prompt near the public 4 MiB limit grows on its way to a worker); HTTP/2
+# pings every 10 s find a half-open connection or a stopped process within 15 s.
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = MESSAGE_OPTIONS + (
+    ("grpc.keepalive_time_ms", 10000),
+    ("grpc.keepalive_timeout_ms", 5000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED)
 
 
 class WorkerLost(Exception):
     """The worker holding a request died or became unreachable."""
 
 
+class ReservationLost(WorkerLost):
+    """The decode worker no longer knows the reservation (it expired): place the request again."""
+
+
+class WorkerBusy(WorkerLost):
+    """The worker did not answer a control RPC in time; it stays in rotation."""
+
+
+class RequestTooLarge(InvalidArgument):
+    """A worker message built from the request is over the worker plane's size limit."""
+
+
 @dataclass(frozen=True)
 class Lost:
-    """Put into a request's queue when its decode worker's output stream breaks."""
+    """Put into a request's queue when its decode worker goes down."""
 
     reason: str
 
 
 class WorkerClient:
-    def __init__(self, worker_id: str, role: str, address: str) -> None:
+    def __init__(self, worker_id: str, role: str, address: str, secret: ClusterSecret,
+                 rpc_timeout_s: float = RPC_TIMEOUT_S, tls: TLSFiles | None = None) -> None:
+        if not isinstance(secret, ClusterSecret):
+            raise ValueError(f"a worker client needs the cluster's ClusterSecret, got "
+                             f"{type(secret).__name__}")
         self.worker_id, self.role, self.address = worker_id, role, address
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = worker_channel(address, tls)
+        self.metadata = secret.grpc_metadata()  # on every RPC: workers refuse calls without
+        self.rpc_timeout_s = rpc_timeout_s
         self.load: worker_pb2.WorkerLoad | None = None
+        self.load_stale = False  # the last poll failed: `load` is older than it should be
         self.up = False
         self.draining = False  # being scaled down: no new requests, in-flight ones finish
         self.num_inflight = 0
         self.num_inflight_tokens = 0
         self._tasks: list[asyncio.Task] = []
+        self._refused = False  # UNAUTHENTICATED logged (once per episode, not every poll)
 
     @property
     def in_rotation(self) -> bool:
@@ -63,56 +104,105 @@ class WorkerClient:
                 await task
         await self.channel.close()
 
-    async def _call(self, call):
-        """A control RPC; a transport failure takes the worker out of rotation (WorkerLost)."""
-        try:
-            return await call
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise InvalidArgument(exc.details()) from None
-            self.mark_down(f"{exc.code().name}: {exc.details()}")
-            raise WorkerLost(f"{self.role} worker {self.worker_id}: {exc.details()}") from None
-
     def mark_down(self, reason: str) -> None:
         if self.up:
             logger.warning("%s worker %s (%s) is down: %s", self.role, self.worker_id,
                            self.address, reason)
         self.up = False
 
+    def error(self, exc: grpc.aio.AioRpcError) -> Exception:
+        """What a failed RPC means for the request (and whether the worker is down)."""
+        code, detail = exc.code(), exc.details()
+        where = f"{self.role} worker {self.worker_id}"
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return InvalidArgument(detail)
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the request's fault, not the worker's
+            return RequestTooLarge(f"the request is too large for the worker plane: {detail}")
+        if code == grpc.StatusCode.NOT_FOUND:
+            return ReservationLost(f"{where}: {detail}")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return WorkerBusy(f"{where} did not answer within {self.rpc_timeout_s:g} s")
+        if code in _GONE:
+            self._refusal(exc)
+            self.mark_down(f"{code.name}: {detail}")
+        return WorkerLost(f"{where}: {code.name}: {detail}")
+
+    def _refusal(self, exc: grpc.aio.AioRpcError) -> None:
+        if exc.code() == grpc.StatusCode.UNAUTHENTICATED and not self._refused:
+            self._refused = True
+            logger.error("%s worker %s (%s) refused the router's cluster secret: the router and "
+                         "the workers must share one PDSERVE_CLUSTER_SECRET (%s)", self.role,
+                         self.worker_id, self.address, exc.details())
+
+    async def _call(self, method, request):
+        """A control RPC, authenticated; a failure becomes `error(exc)`."""
+        try:
+            return await method(request, timeout=self.rpc_timeout_s, metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise self.error(exc) from None
+
     async def _poll_load(self) -> None:
         while True:
             try:
-                self.load = await self._get_load()
+                load = await self._get_load()
+            except grpc.aio.AioRpcError as exc:
+                self._poll_failed(exc)
+            else:
+                self.load, self.load_stale, self._refused = load, False, False
                 up = self._on_load()
                 if up and not self.up:
                     logger.info("%s worker %s is up at %s", self.role, self.worker_id,
                                 self.address)
                 self.up = up
-            except grpc.aio.AioRpcError as exc:
-                self.mark_down(f"GetLoad: {exc.code().name}")
             await asyncio.sleep(LOAD_INTERVAL_S)
 
+    def _poll_failed(self, exc: grpc.aio.AioRpcError) -> None:
+        """Unreachable (refused, broken, pings unanswered) is down; late is only stale."""
+        state = self.channel.get_state(try_to_connect=False)
+        if exc.code() in _GONE or state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            self._refusal(exc)
+            self.mark_down(f"GetLoad: {exc.code().name} ({state.name})")
+            return
+        if not self.load_stale:
+            logger.info("%s worker %s: load report late (%s); keeping its last load",
+                        self.role, self.worker_id, exc.code().name)
+        self.load_stale = True
+
     async def _get_load(self) -> worker_pb2.WorkerLoad:
-        return await self._stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=LOAD_TIMEOUT_S)
+        return await self._stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=LOAD_TIMEOUT_S,
+                                        metadata=self.metadata)
 
     def _on_load(self) -> bool:
         """A load report came in: whether the worker is in rotation now."""
         return True
 
 
+def worker_channel(address: str, tls: TLSFiles | None) -> grpc.aio.Channel:
+    """The channel to one worker: plaintext, or mutual TLS checking the name WORKER_TLS_NAME."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=list(CHANNEL_OPTIONS))
+    if tls.ca is None:
+        raise ValueError("worker-plane TLS is mutual: it needs the CA that signs the workers' "
+                         "certificate")
+    return grpc.aio.secure_channel(address, tls.channel_credentials(),
+                                   options=[*CHANNEL_OPTIONS, *TLS_CHANNEL_OPTIONS])
+
+
 class PrefillClient(WorkerClient):
-    def __init__(self, worker_id: str, address: str) -> None:
-        super().__init__(worker_id, "prefill", address)
+    def __init__(self, worker_id: str, address: str, secret: ClusterSecret,
+                 rpc_timeout_s: float = RPC_TIMEOUT_S, tls: TLSFiles | None = None) -> None:
+        super().__init__(worker_id, "prefill", address, secret, rpc_timeout_s, tls)
         self._stub = worker_pb2_grpc.PrefillWorkerStub(self.channel)
         host, port = address.rsplit(":", 1)
         self.source = worker_pb2.Endpoint(host=host, port=int(port), rank=0)  # its KV identity
 
     async def prefill(self, request: worker_pb2.PrefillRequest, num_tokens: int,
                       timeout: float) -> worker_pb2.PrefillResponse:
+        """Raises grpc.aio.AioRpcError: the placer decides which side a failure is on."""
         self.num_inflight += 1
         self.num_inflight_tokens += num_tokens
         try:
-            return await self._stub.Prefill(request, timeout=timeout)
+            return await self._stub.Prefill(request, timeout=timeout, metadata=self.metadata)
         finally:
             self.num_inflight -= 1
             self.num_inflight_tokens -= num_tokens
@@ -120,88 +210,4 @@ class PrefillClient(WorkerClient):
     async def abort(self, request_id: str) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError):
             await self._stub.Abort(worker_pb2.WorkerAbortRequest(request_id=request_id),
-                                   timeout=LOAD_TIMEOUT_S)
-
-
-class DecodeClient(WorkerClient):
-    def __init__(self, worker_id: str, address: str) -> None:
-        super().__init__(worker_id, "decode", address)
-        self._stub = worker_pb2_grpc.DecodeWorkerStub(self.channel)
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._streaming = False
-        self._sent = (0, 0)  # (blocks, requests) the router has sent here, ever
-        self._sent_before_load = (0, 0)  # ... before it asked for the load it holds
-
-    def start(self) -> None:
-        super().start()
-        self._tasks.append(asyncio.create_task(self._read_outputs(),
-                                               name=f"outputs-{self.worker_id}"))
-
-    def open(self, request_id: str) -> asyncio.Queue:
-        """The queue this request's deltas arrive on; open it before reserving or submitting."""
-        q: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = q
-        return q
-
-    def close_request(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
-
-    async def reserve(self, request: worker_pb2.ReserveRequest) -> worker_pb2.ReserveResponse:
-        return await self._call(self._stub.Reserve(request, timeout=LOAD_TIMEOUT_S))
-
-    async def start_request(self, request: worker_pb2.StartRequest) -> None:
-        await self._call(self._stub.Start(request, timeout=LOAD_TIMEOUT_S))
-
-    async def submit(self, request: worker_pb2.SubmitRequest) -> bool:
-        return (await self._call(self._stub.Submit(request, timeout=LOAD_TIMEOUT_S))).granted
-
-    async def abort(self, request_id: str) -> bool:
-        try:
-            response = await self._stub.Abort(
-                worker_pb2.WorkerAbortRequest(request_id=request_id), timeout=LOAD_TIMEOUT_S)
-            return response.found
-        except grpc.aio.AioRpcError:
-            return False
-
-    def note_sent(self, num_blocks: int) -> None:
-        """A request is on its way here: count it until a load report includes it."""
-        self._sent = (self._sent[0] + num_blocks, self._sent[1] + 1)
-
-    @property
-    def num_pending(self) -> tuple[int, int]:
-        """(blocks, requests) sent since the load report was asked for: not in it yet."""
-        return (self._sent[0] - self._sent_before_load[0],
-                self._sent[1] - self._sent_before_load[1])
-
-    async def _get_load(self) -> worker_pb2.WorkerLoad:
-        sent = self._sent
-        load = await super()._get_load()
-        self._sent_before_load = sent
-        return load
-
-    def _on_load(self) -> bool:
-        return self._streaming  # not in rotation until its outputs can be read
-
-    async def _read_outputs(self) -> None:
-        while True:
-            try:
-                call = self._stub.Outputs(worker_pb2.OutputsRequest())
-                await call.wait_for_connection()
-                self._streaming = True
-                async for step in call:
-                    for delta in step.deltas:
-                        q = self._queues.get(delta.request_id)
-                        if q is not None:
-                            q.put_nowait(delta)
-                reason = "output stream ended"
-            except grpc.aio.AioRpcError as exc:
-                reason = f"output stream broke: {exc.code().name}"
-            self._streaming = False
-            self.mark_down(reason)
-            self._fail_all(reason)
-            await asyncio.sleep(RECONNECT_S)
-
-    def _fail_all(self, reason: str) -> None:
-        for q in self._queues.values():
-            q.put_nowait(Lost(f"decode worker {self.worker_id} lost: {reason}"))
-        self._queues.clear()
+                                   timeout=LOAD_TIMEOUT_S, metadata=self.metadata)

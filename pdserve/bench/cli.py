@@ -4,6 +4,7 @@
     pdserve bench --workload grid --input-lens 128,1024 --output-lens 16,256 --rates 1,2,4,8
     pdserve bench --workload sessions --num-sessions 16 --turns 4 --concurrency 8
     pdserve bench --backend openai --base-url http://127.0.0.1:8000/v1   # any OpenAI server
+    pdserve bench --concurrency 32 --cancel-fraction 0.1 --abort-fraction 0.1   # leak hunting
 
 Arrivals: Poisson at `--rate` (gamma gaps with `--burstiness`; inf = all at once), a sweep of
 rates (`--rates`), or a fixed `--concurrency` (closed loop). Writes `--json` and `--png`. When
@@ -17,13 +18,13 @@ import argparse
 import asyncio
 import contextlib
 import math
-import os
 import urllib.request
 from collections.abc import AsyncIterator
 
 from pdserve import defaults
-from pdserve.bench import arrivals, metrics, report, workloads
+from pdserve.bench import arrivals, interrupts, metrics, report, workloads
 from pdserve.bench.runner import Job, Send, grpc_send, run_jobs
+from pdserve.client.options import add_connection_args, connection_kwargs
 from pdserve.router.metrics_text import quantile_between
 
 ROUTER_HISTOGRAMS = {"ttft": "pdserve_time_to_first_token_seconds",
@@ -43,8 +44,7 @@ def add_parser(sub) -> None:
     p.add_argument("--tokenizer", default="smollm2-135m",
                    help="openai: the served model's tokenizer (a directory or a bundled name): "
                         "its vocabulary bounds the random prompts")
-    p.add_argument("--api-token", default=os.environ.get("PDSERVE_API_TOKEN"),
-                   help="the router's API token (env PDSERVE_API_TOKEN)")
+    add_connection_args(p)  # API token (inline or file) and TLS, for both backends
     p.add_argument("--metrics-url", default=None,
                    help="the router's Prometheus endpoint ('' to skip the comparison)")
     p.add_argument("--workload", choices=["sharegpt", "grid", "sessions"], default="sharegpt")
@@ -63,6 +63,11 @@ def add_parser(sub) -> None:
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     p.add_argument("--concurrency", type=int, default=None, help="at most this many at once")
     p.add_argument("--slo", default="", help="e.g. ttft=500,tpot=50 (milliseconds)")
+    p.add_argument("--cancel-fraction", type=float, default=0.0,
+                   help="grpc: cancel this fraction of requests at a random point mid-stream "
+                        "(counted apart, not as failures)")
+    p.add_argument("--abort-fraction", type=float, default=0.0,
+                   help="grpc: abort this fraction through the router's Abort RPC instead")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
@@ -88,6 +93,7 @@ def make_jobs(args: argparse.Namespace, vocab_size: int, seed: int) -> list[Job]
 
 async def _bench(args: argparse.Namespace) -> int:
     slo = metrics.parse_slo(args.slo) if args.slo else None
+    check_interrupts(args)
     rates = [float(r) for r in args.rates.split(",") if r] or [args.rate]
     if args.metrics_url is None:  # the router's own histograms, beside pdserve's gRPC API
         args.metrics_url = defaults.METRICS_URL if args.backend == "grpc" else ""
@@ -95,7 +101,9 @@ async def _bench(args: argparse.Namespace) -> int:
         runs, sweep, comparisons = [], [], []
         for i, rate in enumerate(rates):
             # each rate gets fresh prompts of the same distribution: no cache hits across runs
-            jobs = make_jobs(args, vocab_size, args.seed + i)
+            jobs = interrupts.with_interrupts(make_jobs(args, vocab_size, args.seed + i),
+                                              args.cancel_fraction, args.abort_fraction,
+                                              args.seed + i)
             times = arrivals.poisson_times(len(jobs), rate, args.burstiness, args.seed)
             before = _scrape(args.metrics_url)
             records, duration = await run_jobs(send, jobs, times, args.concurrency,
@@ -122,23 +130,33 @@ async def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_interrupts(args: argparse.Namespace) -> None:
+    """ValueError unless --cancel-fraction / --abort-fraction are valid for the backend."""
+    interrupts.check_fractions(args.cancel_fraction, args.abort_fraction)
+    if args.backend != "grpc" and (args.cancel_fraction or args.abort_fraction):
+        raise ValueError("--cancel-fraction and --abort-fraction need --backend grpc (the "
+                         "OpenAI API has no Abort, and its sender does not cut streams)")
+
+
 @contextlib.asynccontextmanager
 async def _backend(args: argparse.Namespace) -> AsyncIterator[tuple[Send, int]]:
     """The turn sender for `--backend`, and the vocabulary size prompts are drawn from."""
+    conn = connection_kwargs(args)
     if args.backend == "openai":
         from pdserve.bench.openai_backend import OpenAIBackend
         from pdserve.engine.default_model import resolve_model
         from pdserve.engine.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(resolve_model(args.tokenizer))
-        async with OpenAIBackend(args.base_url, tokenizer, args.api_token, args.model) as api:
+        async with OpenAIBackend(args.base_url, tokenizer, conn["api_token"], args.model,
+                                 conn["tls"]) as api:
             served = await api.wait_ready(60)
             api.model = served.name
             yield api.send, served.vocab_size
         return
     from pdserve.client import AsyncClient
 
-    async with AsyncClient(args.address, api_token=args.api_token) as client:
+    async with AsyncClient(args.address, **conn) as client:
         await client.wait_ready(60)
         yield grpc_send(client), (await client.model_info()).vocab_size
 

@@ -16,10 +16,12 @@ Definitions follow vLLM's `bench serve` and genai-perf. For one request r (`Requ
 Summary of a run (`summarize`):
 
 - Latency statistics cover successful requests only; failures are counted (`num_errors`,
-  `errors_by_code`) and are SLO misses. TTFT over ok requests with >= 1 token, TPOT over
-  those with >= 2, ITL over every gap of every ok request (token-weighted: long answers weigh
-  more, as in vLLM), E2E over all ok requests. Reported as mean, p50, p90, p99 in seconds;
-  nan when there is no data.
+  `errors_by_code`) and are SLO misses. Requests the client cancelled or aborted on purpose
+  (bench/interrupts.py) are neither: they are counted apart (`num_cancelled`, `num_aborted`)
+  and left out of latencies, throughputs and SLO attainment. TTFT over ok requests with
+  >= 1 token, TPOT over those with >= 2, ITL over every gap of every ok request
+  (token-weighted: long answers weigh more, as in vLLM), E2E over all ok requests. Reported
+  as mean, p50, p90, p99 in seconds; nan when there is no data.
 - Percentiles interpolate linearly between closest ranks (numpy's default "linear"): the
   q-th percentile of sorted x[0..n-1] sits at rank (n - 1) * q / 100.
 - Throughputs divide by `duration_s`, which the runner measures (first scheduled send to
@@ -28,8 +30,8 @@ Summary of a run (`summarize`):
 - SLO: a request meets it when it succeeded and every given bound holds (value <= bound):
   TTFT (a request with no token misses), TPOT (a request with one token has none and meets
   it), E2E. Goodput = requests meeting the SLO / duration (DistServe; vLLM `--goodput`);
-  SLO attainment = requests meeting it / all requests, errors included as misses. Both are
-  None without an SLO.
+  SLO attainment = requests meeting it / requests not interrupted, errors included as
+  misses. Both are None without an SLO.
 """
 
 from __future__ import annotations
@@ -201,11 +203,13 @@ class Summary:
     total_cached_tokens: int  # of ok requests: prompt tokens served from the prefix cache
     slo: SLO | None
     goodput: float | None  # requests meeting the SLO / s
-    slo_attainment: float | None  # fraction of all requests meeting the SLO
+    slo_attainment: float | None  # fraction of requests not interrupted meeting the SLO
     ttft: LatencyStats
     tpot: LatencyStats
     itl: LatencyStats
     e2e: LatencyStats
+    num_cancelled: int = 0  # the client cancelled them mid-stream on purpose
+    num_aborted: int = 0  # the client had the router abort them mid-stream on purpose
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: nested dicts, latencies in seconds, nan written as None."""
@@ -232,14 +236,16 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | No
     if not (math.isfinite(duration_s) and duration_s > 0):
         raise ValueError(f"duration_s must be a positive number of seconds, got {duration_s}")
     ok = [r for r in records if r.ok]
-    errors = Counter(r.error for r in records if not r.ok)
+    errors = Counter(r.error for r in records if r.error is not None)
+    interrupted = Counter(r.interrupted for r in records if r.interrupted and r.error is None)
+    judged = [r for r in records if not r.interrupted or r.error is not None]
     n_in = sum(r.num_prompt_tokens for r in ok)
     n_out = sum(r.num_output_tokens for r in ok)
     goodput = attainment = None
     if slo is not None:
-        n_good = sum(meets(r, slo) for r in records)
+        n_good = sum(meets(r, slo) for r in judged)
         goodput = n_good / duration_s
-        attainment = n_good / len(records) if records else math.nan
+        attainment = n_good / len(judged) if judged else math.nan
     ttfts = [t for t in map(ttft, ok) if t is not None]
     tpots = [t for t in map(tpot, ok) if t is not None]
     gaps = [g for r in ok for g in itls(r)]
@@ -247,7 +253,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | No
     return Summary(
         num_requests=len(records),
         num_ok=len(ok),
-        num_errors=len(records) - len(ok),
+        num_errors=sum(errors.values()),
         errors_by_code=dict(sorted(errors.items())),
         duration_s=duration_s,
         request_throughput=len(ok) / duration_s,
@@ -263,4 +269,6 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | No
         tpot=latency_stats(tpots),
         itl=latency_stats(gaps),
         e2e=latency_stats([e2e(r) for r in ok]),
+        num_cancelled=interrupted["cancel"],
+        num_aborted=interrupted["abort"],
     )

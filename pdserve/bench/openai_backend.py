@@ -24,6 +24,7 @@ import httpx
 
 from pdserve.bench.trace import RequestRecord
 from pdserve.bench.workloads import BenchRequest
+from pdserve.client.rpc import ClientTLS
 
 
 @dataclass(frozen=True)
@@ -36,10 +37,11 @@ class OpenAIBackend:
     """Sends bench turns to `base_url` (e.g. http://127.0.0.1:8000/v1)."""
 
     def __init__(self, base_url: str, tokenizer: Any, api_key: str | None = None,
-                 model: str | None = None) -> None:
+                 model: str | None = None, tls: ClientTLS | None = None) -> None:
         self.base_url, self.tokenizer, self.model = base_url.rstrip("/"), tokenizer, model
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.AsyncClient(headers=headers, timeout=None,
+        verify = tls.ssl_context() if tls is not None else True
+        self.http = httpx.AsyncClient(headers=headers, timeout=None, verify=verify,
                                       limits=httpx.Limits(max_connections=None,
                                                           max_keepalive_connections=None))
 
@@ -85,7 +87,7 @@ class OpenAIBackend:
         sent = time.perf_counter() - t0
         try:
             await asyncio.wait_for(self._stream(body, t0, times, text, usage), timeout_s)
-        except (httpx.HTTPError, asyncio.TimeoutError, _Failed) as exc:
+        except (TimeoutError, httpx.HTTPError, _Failed) as exc:
             error = str(exc) if isinstance(exc, _Failed) else type(exc).__name__
         counts = [1] * len(times)
         completion = usage.get("completion_tokens", len(times))

@@ -47,6 +47,9 @@ def format_table(summary: Summary, title: str = "") -> str:
     ]
     if s.errors_by_code:
         rows.append(("  by code", ", ".join(f"{k}={v}" for k, v in s.errors_by_code.items())))
+    if s.num_cancelled or s.num_aborted:  # on purpose (--cancel/--abort-fraction): not failures
+        rows += [("Cancelled by the client", str(s.num_cancelled)),
+                 ("Aborted through the router", str(s.num_aborted))]
     rows += [
         ("Benchmark duration (s)", _num(s.duration_s)),
         ("Request throughput (req/s)", _num(s.request_throughput)),

@@ -13,18 +13,21 @@ pdserve's own API, `OpenAIBackend.send` (bench/openai_backend.py) for any OpenAI
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 
 from pdserve.bench.trace import RequestRecord
-from pdserve.bench.workloads import BenchRequest, turn_prompt
-from pdserve.client import AsyncClient, PdserveError
+from pdserve.bench.workloads import ABORT, CANCEL, BenchRequest, Interrupt, turn_prompt
+from pdserve.client import AsyncClient, GenerateChunk, PdserveError
 from pdserve.engine.sampling_params import SamplingParams
 
 Job = Sequence[BenchRequest]
 # (request_id, turn, prompt, t0, temperature, timeout_s) -> (record, output token ids)
 Send = Callable[[str, BenchRequest, list[int], float, float, float],
                 Awaitable[tuple[RequestRecord, list[int]]]]
+ABORT_TIMEOUT_S = 10.0  # the router answers Abort at once; a slow answer is not the point
 
 
 async def run_jobs(
@@ -54,8 +57,8 @@ async def run_jobs(
                                             temperature, timeout_s)
                 records.append(record)
                 bar.update(1)
-                if record.error is not None:
-                    return  # a conversation can't go on without its answer
+                if not record.ok:
+                    return  # a conversation can't go on without its (whole) answer
                 history = prompt + output
 
     await asyncio.gather(*(job(i, turns) for i, turns in enumerate(jobs)))
@@ -64,37 +67,71 @@ async def run_jobs(
 
 
 def grpc_send(client: AsyncClient) -> Send:
-    """Send turns over pdserve's gRPC API (token ids and per-step chunks, exactly)."""
+    """Send turns over pdserve's gRPC API (token ids and per-step chunks, exactly); a turn
+    with an `interrupt` is cancelled, or aborted through the router, at its point."""
 
     async def send(request_id: str, turn: BenchRequest, prompt: list[int], t0: float,
                    temperature: float, timeout_s: float) -> tuple[RequestRecord, list[int]]:
         params = SamplingParams(temperature=temperature, max_tokens=turn.output_len,
                                 ignore_eos=True, seed=None)
-        times: list[float] = []
-        counts: list[int] = []
-        output: list[int] = []
-        error, cached = None, 0
+        seen = _Seen(t0)
         sent = time.perf_counter() - t0
+        stream = client.generate(prompt, sampling=params, session_id=turn.session_id,
+                                 request_id=request_id, timeout=timeout_s)
         try:
-            async for chunk in client.generate(prompt, sampling=params,
-                                               session_id=turn.session_id,
-                                               request_id=request_id, timeout=timeout_s):
-                if chunk.token_ids:
-                    times.append(time.perf_counter() - t0)
-                    counts.append(len(chunk.token_ids))
-                    output.extend(chunk.token_ids)
-                if chunk.usage is not None:
-                    cached = chunk.usage.cached_tokens
+            async with contextlib.aclosing(stream):
+                await _read(client, request_id, stream, turn.interrupt, seen)
         except PdserveError as exc:
-            error = exc.code.name
+            seen.error, seen.interrupted = exc.code.name, ""
         record = RequestRecord(
             request_id=request_id, start=sent, end=time.perf_counter() - t0,
-            chunk_times=tuple(times), chunk_tokens=tuple(counts), num_prompt_tokens=len(prompt),
-            error=error, cached_tokens=cached, session_id=turn.session_id,
+            chunk_times=tuple(seen.times), chunk_tokens=tuple(seen.counts),
+            num_prompt_tokens=len(prompt), error=seen.error, cached_tokens=seen.cached,
+            session_id=turn.session_id, interrupted=seen.interrupted,
         )
-        return record, output
+        return record, seen.output
 
     return send
+
+
+@dataclass
+class _Seen:
+    """What one stream brought so far."""
+
+    t0: float
+    times: list[float] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)
+    cached: int = 0
+    error: str | None = None
+    interrupted: str = ""
+
+    def add(self, chunk: GenerateChunk) -> None:
+        if chunk.token_ids:
+            self.times.append(time.perf_counter() - self.t0)
+            self.counts.append(len(chunk.token_ids))
+            self.output.extend(chunk.token_ids)
+        if chunk.usage is not None:
+            self.cached = chunk.usage.cached_tokens
+
+
+async def _read(client: AsyncClient, request_id: str, stream: AsyncIterator[GenerateChunk],
+                cut: Interrupt | None, seen: _Seen) -> None:
+    """Read the stream into `seen`, carrying out `cut` once its point is reached: a cancel
+    stops reading (closing the stream cancels the RPC); an abort asks the router and reads
+    on. Only a stream that then ends with "abort" counts as aborted: an abort that raced
+    the last token leaves a complete answer."""
+    async for chunk in stream:
+        seen.add(chunk)
+        if cut is not None and len(seen.output) >= cut.after_tokens and not chunk.finish_reason:
+            if cut.kind == CANCEL:
+                seen.interrupted = CANCEL
+                return
+            cut = None
+            with contextlib.suppress(PdserveError):  # not delivered: the request runs on
+                await client.abort(request_id, timeout=ABORT_TIMEOUT_S)
+        if chunk.finish_reason == "abort":
+            seen.interrupted = ABORT
 
 
 def _progress_bar(total: int, enabled: bool):

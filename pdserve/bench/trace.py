@@ -20,7 +20,9 @@ class RequestRecord:
 
     `chunk_times[i]` is when the i-th streamed message that carried tokens arrived and
     `chunk_tokens[i]` how many tokens it carried (>= 1). Messages without tokens (a final
-    status) only move `end`. A failed request keeps what it streamed before the error.
+    status) only move `end`. A failed request keeps what it streamed before the error; one
+    the client cancelled or aborted on purpose (`interrupted`, see bench/interrupts.py) keeps
+    what it streamed before that, and is neither ok nor failed.
     """
 
     request_id: str
@@ -32,8 +34,12 @@ class RequestRecord:
     error: str | None = None  # gRPC status name, e.g. "UNAVAILABLE"; None = success
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     session_id: str = ""
+    interrupted: str = ""  # "cancel" | "abort": the client cut it short on purpose
 
     def __post_init__(self) -> None:
+        if self.interrupted not in ("", "cancel", "abort"):
+            raise ValueError(f"request {self.request_id}: interrupted must be '', 'cancel' or "
+                             f"'abort', got {self.interrupted!r}")
         if len(self.chunk_times) != len(self.chunk_tokens):
             raise ValueError(
                 f"request {self.request_id}: {len(self.chunk_times)} chunk_times but "
@@ -66,7 +72,8 @@ class RequestRecord:
 
     @property
     def ok(self) -> bool:
-        return self.error is None
+        """It ran to its end: no error, and the client did not cut it short."""
+        return self.error is None and not self.interrupted
 
 
 _FIELDS = tuple(f.name for f in fields(RequestRecord))

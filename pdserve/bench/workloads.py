@@ -48,6 +48,23 @@ MIN_LEN = 4
 FIRST_ID = 17  # ids below this are special tokens in SmolLM2's vocabulary
 
 
+CANCEL, ABORT = "cancel", "abort"  # what an Interrupt does (bench/interrupts.py plans them)
+
+
+@dataclass(frozen=True)
+class Interrupt:
+    """Cut one request short once `after_tokens` output tokens have arrived."""
+
+    kind: str  # CANCEL | ABORT
+    after_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in (CANCEL, ABORT):
+            raise ValueError(f"interrupt kind must be {CANCEL!r} or {ABORT!r}, got {self.kind!r}")
+        if self.after_tokens < 1:
+            raise ValueError(f"after_tokens must be >= 1 (mid-stream), got {self.after_tokens}")
+
+
 @dataclass(frozen=True)
 class BenchRequest:
     """One request of a workload; for a session turn, only the turn's new user tokens.
@@ -60,6 +77,7 @@ class BenchRequest:
     output_len: int  # exactly this many tokens are asked for (EOS ignored)
     session_id: str = ""  # "" = not part of a session
     turn: int = 0  # index within the session
+    interrupt: Interrupt | None = None  # cut short mid-stream (bench/interrupts.py)
 
     def __post_init__(self) -> None:
         if self.turn < 0:

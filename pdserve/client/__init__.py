@@ -10,7 +10,8 @@ RESOURCE_EXHAUSTED ...).
 - `aio`: `AsyncClient`, the same API over grpc.aio.
 - `messages`: what a call returns (`GenerateChunk`, `Completion`, `Usage`, `Timings`) and the
   conversions to and from the protobuf messages.
-- `rpc`: what both clients share: channel options, auth metadata, `PdserveError`.
+- `rpc`: what both clients share: channel options, `ClientTLS`, auth metadata, `PdserveError`.
+- `options`: the command-line flags of a client (`--api-token-file`, `--tls-ca`, ...).
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from pdserve.client.messages import (
     chunk_from_proto,
     collect,
 )
-from pdserve.client.rpc import PdserveError
+from pdserve.client.rpc import ClientTLS, PdserveError
 from pdserve.client.sync import Client
 
 __all__ = [
-    "AsyncClient", "Client", "Completion", "GenerateChunk", "PdserveError", "Timings", "Usage",
-    "build_request", "chunk_from_proto", "collect",
+    "AsyncClient", "Client", "ClientTLS", "Completion", "GenerateChunk", "PdserveError",
+    "Timings", "Usage", "build_request", "chunk_from_proto", "collect",
 ]

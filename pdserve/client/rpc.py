@@ -1,10 +1,16 @@
-"""What the blocking and the asyncio client share: channel options, auth, errors, health.
+"""What the blocking and the asyncio client share: channel options, TLS, auth, errors, health.
 
 gRPC failures surface as `PdserveError`, which keeps the status code (INVALID_ARGUMENT vs
-RESOURCE_EXHAUSTED ...) and the server's message.
+RESOURCE_EXHAUSTED ...) and the server's message. `ClientTLS` speaks TLS to a router started
+with `--tls-cert` (verifying it against a CA file, or the system's roots) and presents a
+client certificate to one started with `--tls-client-ca`.
 """
 
 from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -21,6 +27,59 @@ class PdserveError(Exception):
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+
+
+@dataclass(frozen=True)
+class ClientTLS:
+    """TLS to the router: `ca` verifies its certificate (None: the system's roots); `cert` and
+    `key` are this client's, for a router that requires client certificates."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("a client certificate needs its key: give both tls cert and key")
+        for name in ("ca", "cert", "key"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"TLS {name} file {path!r} does not exist")
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        def read(path: str | None) -> bytes | None:
+            return Path(path).read_bytes() if path else None
+
+        return grpc.ssl_channel_credentials(root_certificates=read(self.ca),
+                                            private_key=read(self.key),
+                                            certificate_chain=read(self.cert))
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same for HTTPS (the OpenAI front)."""
+        context = ssl.create_default_context(cafile=self.ca)
+        if self.cert is not None:
+            context.load_cert_chain(self.cert, self.key)
+        return context
+
+
+def open_channel(address: str, tls: ClientTLS | None, aio: bool = False):
+    """A channel to the router: TLS when `tls` is given, plaintext otherwise."""
+    kind = grpc.aio if aio else grpc
+    if tls is None:
+        return kind.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return kind.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
+
+
+def read_token_file(path: str) -> str:
+    """The API token in a file (its first line that is not blank or a `#` comment)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ValueError(f"api token file {path!r}: {exc.strerror}") from None
+    for line in lines:
+        if line.strip() and not line.strip().startswith("#"):
+            return line.strip()
+    raise ValueError(f"api token file {path!r} holds no token")
 
 
 def auth_metadata(api_token: str | None) -> tuple[tuple[str, str], ...]:

@@ -20,12 +20,13 @@ from pdserve.client.messages import (
     collect,
 )
 from pdserve.client.rpc import (
-    CHANNEL_OPTIONS,
     POLL_S,
+    ClientTLS,
     PdserveError,
     auth_metadata,
     error_from,
     not_ready,
+    open_channel,
     status_name,
 )
 from pdserve.engine.sampling_params import SamplingParams
@@ -38,11 +39,11 @@ class Client:
     """Blocking client over one gRPC channel; `timeout` is the default deadline of every call."""
 
     def __init__(self, address: str = defaults.ROUTER_ADDRESS, timeout: float | None = None,
-                 api_token: str | None = None) -> None:
+                 api_token: str | None = None, tls: ClientTLS | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self._metadata = auth_metadata(api_token)
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = open_channel(address, tls)
         self._stub = pdserve_pb2_grpc.InferenceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

@@ -4,7 +4,7 @@ Each worker is a `Worker` (its actors and placement group); the pool checks that
 cluster can hold them all, starts them, adds and removes workers at run time (the planner),
 and hands supervision to a `Supervisor`, which tells the router through `on_down` /
 `on_up`. Requests never go through Ray: the router dials each worker's gRPC address
-(`WorkerInfo.address`).
+(`WorkerInfo.address`). Every worker gets the cluster secret through its environment.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 import ray
 
+from pdserve.cluster_secret import ClusterSecret
 from pdserve.engine.worker_spec import WorkerSpec
 from pdserve.launch.supervisor import Callback, Supervisor
 from pdserve.launch.worker import DECODE, PREFILL, Worker, WorkerInfo, gather_refs
@@ -43,8 +44,17 @@ class WorkerPool:
         num_cpus: float | None = None,
         start_timeout_s: float = START_TIMEOUT_S,
         ping_timeout_s: float = PING_TIMEOUT_S,
+        *,
+        secret: ClusterSecret,
+        redis_password: str | None = None,
     ) -> None:
-        """`num_cpus` per actor (each decode rank is one); default: the spec's num_threads."""
+        """`num_cpus` per actor (each decode rank is one); default: the spec's num_threads.
+        `secret` authenticates the worker plane; each actor gets it, and the Redis password its
+        prefix events need, in its runtime_env."""
+        if not isinstance(secret, ClusterSecret):
+            raise ValueError("WorkerPool needs secret=ClusterSecret (ClusterSecret.generate() "
+                             "or ClusterSecret.from_env())")
+        self.secret, self.redis_password = secret, redis_password
         tps = [decode_tp] * len(decode) if isinstance(decode_tp, int) else list(decode_tp)
         if len(tps) != len(decode) or any(tp < 1 for tp in tps):
             raise ValueError(f"decode_tp must be one size >= 1 per decode worker, got {tps}")
@@ -61,7 +71,8 @@ class WorkerPool:
         self._supervisor: Supervisor | None = None
 
     def _worker(self, spec: WorkerSpec, role: str, tp_size: int) -> Worker:
-        return Worker(spec, role, tp_size, self.num_cpus or spec.num_threads or 1, self.gpus)
+        return Worker(spec, role, tp_size, self.num_cpus or spec.num_threads or 1, self.gpus,
+                      secret=self.secret, redis_password=self.redis_password)
 
     # ---- start ----
 

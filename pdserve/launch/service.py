@@ -16,7 +16,8 @@ import secrets
 from dataclasses import replace
 from pathlib import Path
 
-from pdserve import defaults
+from pdserve import cluster_secret, defaults
+from pdserve.cluster_secret import ClusterSecret
 from pdserve.launch.settings import ServeSettings
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,13 @@ class Service:
         self._planner: asyncio.Task | None = None
         self._started_ray = False
         self._policy = None
+        # the worker plane's secret: the operator's (e.g. a Kubernetes Secret) or a fresh one;
+        # it reaches workers through their environment only, never argv or a log line
+        self.secret = _cluster_secret()
+        # read (and checked) now: a missing certificate or token file fails before Ray starts
+        self.tls = settings.tls()
+        self.worker_tls = settings.cluster_tls()  # the worker plane's mTLS, or None
+        self.api_tokens = settings.api_tokens()
         if (settings.planner_policy is None) != (settings.planner_perf is None):
             raise ValueError("planner_policy and planner_perf go together: the policy's "
                              "sizing needs the workers' measured performance")
@@ -88,18 +96,20 @@ class Service:
             self.redis.stop()
 
     def _start_redis(self) -> str:
-        """The bundled redis-server, where every worker can reach it: loopback when workers
-        bind loopback, else this node's address — then never without a password."""
+        """The bundled redis-server, where every worker can reach it and no further: loopback
+        when workers bind loopback (whatever `host` the router binds), else this node's
+        address. Always with a password (the given one, else a generated one): other local
+        users reach loopback too."""
         from pdserve.launch.redis_server import RedisServer
 
         s = self.settings
-        host, password = s.host, s.redis_password
+        host, password = defaults.HOST, s.redis_password or secrets.token_urlsafe(24)
         if s.worker_host not in defaults.LOOPBACK_HOSTS:
             import ray
 
             host = ray.util.get_node_ip_address() if s.worker_host == "auto" else s.worker_host
-            password = password or secrets.token_urlsafe(24)
-        self.redis = RedisServer(host=host, password=password)
+        self.redis = RedisServer(host=host, password=password,
+                                 max_memory_bytes=s.redis_max_memory_bytes)
         self.redis.start()
         logger.info("started redis-server on %s:%d", self.redis.host, self.redis.port)
         return self.redis.url
@@ -139,8 +149,17 @@ class Service:
         from pdserve.engine.config import load_model_config, with_num_blocks
         from pdserve.engine.worker_spec import WorkerSpec
         from pdserve.launch.pool import WorkerPool
+        from pdserve.launch.redis_server import split_password
 
         s = self.settings
+        redis_url, redis_password = split_password(redis_url, s.redis_password)
+        # a worker caps reservations above the router's transfer deadline, and a TP group's
+        # collectives above a reservation (a follower waits for its KV inside one)
+        reservation_s = max(60.0, 2 * s.kv_transfer_timeout_s)
+        # mTLS paths, absolute: a Ray worker's working directory is not ours
+        tls = {} if self.worker_tls is None else {
+            f"tls_{name}": os.path.abspath(getattr(self.worker_tls, name))
+            for name in ("cert", "key", "ca")}
 
         def spec(worker_id: str, role: str) -> WorkerSpec:
             return WorkerSpec(
@@ -152,7 +171,8 @@ class Service:
                 device=s.device, kernel_backend=s.kernel_backend, seed=s.seed,
                 num_threads=self._threads(role), host=s.worker_host,
                 redis_url=redis_url if role == "prefill" else None,
-                redis_password=s.redis_password, redis_namespace=s.redis_namespace,
+                redis_namespace=s.redis_namespace, max_reservation_s=reservation_s,
+                tp_timeout_s=reservation_s + 30.0, **tls,
             )
 
         self._spec = spec  # the planner builds the workers it adds the same way
@@ -166,6 +186,8 @@ class Service:
             decode=decode,
             decode_tp=s.decode_tp,
             gpus=s.device.startswith("cuda"),
+            secret=self.secret,
+            redis_password=redis_password,
         )
 
     async def _start_router(self, model_path, model_name, redis_url, infos) -> None:
@@ -180,7 +202,9 @@ class Service:
         model = await asyncio.to_thread(ModelContext.load, model_path, model_name, s.dtype,
                                         s.max_model_len)
         self.store = RedisStore(redis_url, s.redis_password, s.redis_namespace,
-                                session_ttl_s=s.session_ttl_s)
+                                session_ttl_s=s.session_ttl_s,
+                                session_max_tokens=s.session_max_tokens,
+                                max_sessions_per_tenant=s.max_sessions_per_token)
         self.metrics = RouterMetrics()
         config = RouterConfig(
             block_size=s.block_size, max_inflight_requests=s.max_inflight_requests,
@@ -189,10 +213,13 @@ class Service:
             max_local_prefill_tokens=s.max_local_prefill_tokens,
             colocated=s.mode == "colocated",
         )
-        router = Router(model, config, self.metrics, self.store)
+        router = Router(model, config, self.metrics, self.store, secret=self.secret,
+                        worker_tls=self.worker_tls)
         for info in infos:
             await router.add_worker(info.worker_id, info.role, info.address)
-        self.router_server = RouterServer(router, s.host, s.port, s.api_token)
+        self.router_server = RouterServer(router, s.host, s.port, self.api_tokens,
+                                          tls=self.tls, limits=self._limits(),
+                                          max_timeout_s=s.grpc_timeout_s)
         self.metrics_port = self.metrics.start_http(s.host, s.metrics_port)
         await router.wait_ready(timeout=60)
         await self.router_server.start()
@@ -206,9 +233,16 @@ class Service:
         from pdserve.router.openai.server import HTTPServer
 
         s = self.settings
-        app = OpenAIApp(router, self.router_server.can_serve, s.api_token, s.http_timeout_s)
-        self.http = HTTPServer(app.app, s.host, s.http_port)
+        app = OpenAIApp(router, self.router_server.can_serve, self.api_tokens, s.http_timeout_s,
+                        limits=self._limits())
+        self.http = HTTPServer(app.app, s.host, s.http_port, tls=self.tls)
         await self.http.start()
+
+    def _limits(self):
+        from pdserve.router.validation import RequestLimits
+
+        s = self.settings
+        return RequestLimits(s.max_stop_strings, s.max_stop_string_chars, s.max_stop_token_ids)
 
     def _start_supervision(self, router) -> None:
         """The pool's supervisor, telling the router of restarts; the live planner if set."""
@@ -226,3 +260,10 @@ class Service:
             planner = LivePlanner(self._policy, PerfModel.load(s.planner_perf), router,
                                   self.pool, self._spec, s.decode_tp)
             self._planner = asyncio.create_task(planner.run(), name="planner")
+
+
+def _cluster_secret() -> ClusterSecret:
+    """The operator's secret when the environment names one, else a new one for this cluster."""
+    if os.environ.get(cluster_secret.ENV) or os.environ.get(cluster_secret.ENV_FILE):
+        return ClusterSecret.from_env()
+    return ClusterSecret.generate()

@@ -21,6 +21,8 @@ from typing import Any
 
 from pdserve import defaults
 from pdserve.redis_keys import DEFAULT_NAMESPACE
+from pdserve.tls import TLSFiles
+from pdserve.worker_grpc import worker_tls
 
 ENV_PREFIX = "PDSERVE_"
 
@@ -68,6 +70,24 @@ class ServeSettings:
     http_port: int = _opt(defaults.HTTP_PORT, "OpenAI-compatible HTTP API port (0: off)")
     http_timeout_s: float = _opt(defaults.HTTP_TIMEOUT_S,
                                  "longest an HTTP request may run (caps a client's timeout)")
+    grpc_timeout_s: float = _opt(defaults.GRPC_TIMEOUT_S,
+                                 "longest a gRPC Generate may run (caps a client's deadline)")
+    tls_cert: str | None = _opt(None, "PEM certificate (chain) of the gRPC and HTTP fronts: "
+                                "TLS on when set, with --tls-key")
+    tls_key: str | None = _opt(None, "PEM private key of --tls-cert")
+    tls_client_ca: str | None = _opt(
+        None, "PEM CA bundle: clients of both fronts must present a certificate it signed")
+    # worker plane (router <-> workers gRPC): mutual TLS on top of the cluster secret
+    cluster_tls_cert: str | None = _opt(
+        None, "PEM certificate of the worker plane (mutual TLS, with cluster_tls_key and "
+        "cluster_tls_ca): DNS name pdserve-worker, server and client auth; same path on "
+        "every node")
+    cluster_tls_key: str | None = _opt(None, "PEM private key of --cluster-tls-cert")
+    cluster_tls_ca: str | None = _opt(
+        None, "PEM CA bundle that signed --cluster-tls-cert (workers and router verify it)")
+    max_stop_strings: int = _opt(16, "stop strings one request may give")
+    max_stop_string_chars: int = _opt(256, "characters per stop string")
+    max_stop_token_ids: int = _opt(64, "stop token ids one request may give")
     max_inflight_requests: int = _opt(256, "requests dispatched to workers at once")
     max_queued_requests: int = _opt(1024, "requests waiting for admission before refusing")
     kv_transfer_timeout_s: float = _opt(30.0, "deadline of one prompt's prefill + KV transfer")
@@ -78,11 +98,18 @@ class ServeSettings:
     ray_address: str | None = _opt(None, "existing Ray cluster (default: start a local one)")
     redis_url: str | None = _opt(None, "redis://host:port/db (default: start a bundled one)")
     redis_password: str | None = _opt(None, "Redis password")
+    redis_max_memory_bytes: int = _opt(
+        256 << 20, "memory cap of the bundled Redis (least recently used keys are evicted)")
     api_token: str | None = _opt(
-        None, "clients must send `authorization: Bearer <token>` (health stays open)"
-    )
+        None, "clients must send `authorization: Bearer <token>` (health stays open); "
+        "prefer --api-token-file: argv shows in `ps`")
+    api_token_file: str | None = _opt(
+        None, "file of API tokens, one per line (several clients, each its own sessions)")
     redis_namespace: str = _opt(DEFAULT_NAMESPACE, "prefix of every Redis key")
     session_ttl_s: int = _opt(3600, "seconds a session outlives its last turn")
+    session_max_tokens: int = _opt(16384, "tokens of a session's history kept in Redis")
+    max_sessions_per_token: int = _opt(
+        10000, "sessions kept per API token (the least recently used go first)")
 
     def __post_init__(self) -> None:
         for name in ("prefill_workers", "decode_workers", "decode_tp", "max_inflight_requests"):
@@ -95,12 +122,39 @@ class ServeSettings:
         for name in ("port", "metrics_port", "http_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
-        if not 0 < self.http_timeout_s < math.inf:
-            raise ValueError(f"http_timeout_s must be a positive number, got {self.http_timeout_s}")
+        for name in ("http_timeout_s", "grpc_timeout_s"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a positive number, got {getattr(self, name)}")
+        for name in ("max_stop_strings", "max_stop_string_chars", "max_stop_token_ids",
+                     "session_max_tokens", "max_sessions_per_token", "redis_max_memory_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.api_token is not None and self.api_token_file is not None:
+            raise ValueError("api_token and api_token_file are both set: give the token(s) "
+                             "one way (api_token_file keeps them out of argv and env)")
         if not 0 < self.kv_transfer_timeout_s < math.inf:
             raise ValueError(
                 f"kv_transfer_timeout_s must be a positive number, got {self.kv_transfer_timeout_s}"
             )
+
+    def tls(self) -> TLSFiles | None:
+        """The fronts' TLS files (checked to exist), or None when TLS is off."""
+        return TLSFiles.optional(self.tls_cert, self.tls_key, self.tls_client_ca)
+
+    def _cluster_tls_paths(self) -> dict[str, str | None]:
+        return {"cluster_tls_cert": self.cluster_tls_cert, "cluster_tls_key": self.cluster_tls_key,
+                "cluster_tls_ca": self.cluster_tls_ca}
+
+    def cluster_tls(self) -> TLSFiles | None:
+        """The worker plane's mutual-TLS files, or None when off; ValueError unless all three
+        are given (naming the missing settings) and exist. Service() calls it at once."""
+        return worker_tls(self._cluster_tls_paths())
+
+    def api_tokens(self) -> tuple[str, ...]:
+        """The accepted API tokens (none: the API is open), read from api_token_file if set."""
+        if self.api_token_file is not None:
+            return read_tokens(self.api_token_file)
+        return (self.api_token,) if self.api_token else ()
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -135,6 +189,20 @@ class ServeSettings:
             if flag is not None:
                 values[f.name] = _parse(f, flag, "--" + f.name.replace("_", "-"))
         return cls(**values)
+
+
+def read_tokens(path: str) -> tuple[str, ...]:
+    """API tokens from a file: one per line; blank lines and `#` comments skipped."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ValueError(f"api_token_file {path!r}: {exc.strerror}") from None
+    tokens = tuple(t for t in (line.strip() for line in lines) if t and not t.startswith("#"))
+    if not tokens:
+        raise ValueError(f"api_token_file {path!r} holds no token (one per line)")
+    if any(any(c.isspace() for c in t) for t in tokens):
+        raise ValueError(f"api_token_file {path!r}: a token contains whitespace")
+    return tokens
 
 
 def _read_config(path: Path, cls: type) -> dict[str, Any]:

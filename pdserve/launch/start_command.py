@@ -65,9 +65,11 @@ def _start_problems(where: str, argv: Sequence[str], s: ServeSettings,
     if s.worker_host in defaults.LOOPBACK_HOSTS and not has_config_file:
         problems.append(f"{where}: --worker-host {s.worker_host}: workers on other nodes would "
                         "be out of the router's reach (use --worker-host auto)")
-    if any(a == "--redis-password" or a.startswith("--redis-password=") for a in argv):
-        problems.append(f"{where}: --redis-password on the command line shows in `ps` and "
-                        "shell history: set PDSERVE_REDIS_PASSWORD instead")
+    for flag, instead in (("--redis-password", "set PDSERVE_REDIS_PASSWORD"),
+                          ("--api-token", "use --api-token-file (or PDSERVE_API_TOKEN_FILE)")):
+        if any(a == flag or a.startswith(flag + "=") for a in argv):
+            problems.append(f"{where}: {flag} on the command line shows in `ps` and shell "
+                            f"history: {instead} instead")
     return problems
 
 

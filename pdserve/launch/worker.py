@@ -4,6 +4,8 @@ A prefill worker is one actor, placed by the `prefill` resource. A decode worker
 group: one actor per rank in one STRICT_PACK placement group whose bundle 0 holds the
 `decode` resource. Ray never restarts an actor itself (max_restarts=0): a TP group only works
 whole, so a failed worker is killed and launched again, every rank, under the same worker_id.
+Every actor starts with the cluster secret (and the Redis password) in its environment
+(Ray's runtime_env), so neither travels in argv, actor arguments or logs.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from pdserve import defaults
+from pdserve.cluster_secret import ClusterSecret
 from pdserve.engine.worker_spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -72,8 +76,10 @@ class Worker:
     """The actors of one worker; `info` is its WorkerInfo while it serves, else None."""
 
     def __init__(self, spec: WorkerSpec, role: str, tp_size: int, cpus: float,
-                 gpus: bool) -> None:
+                 gpus: bool, *, secret: ClusterSecret, redis_password: str | None = None) -> None:
         self.spec, self.role, self.tp_size = spec, role, tp_size
+        self.env = secret.to_env() | (
+            {defaults.REDIS_PASSWORD_ENV: redis_password} if redis_password else {})
         self.cpus, self.gpus = cpus, gpus  # per actor (each decode rank is one)
         self.info: WorkerInfo | None = None
         self._actors: list[Any] = []  # rank order
@@ -105,7 +111,8 @@ class Worker:
     def launch(self) -> list[Any]:
         """Create the actors; refs whose first value is the worker's address once it serves."""
         opts = {"max_restarts": 0, "max_task_retries": 0, "num_cpus": self.cpus,
-                "num_gpus": 1 if self.gpus else 0}
+                "num_gpus": 1 if self.gpus else 0,
+                "runtime_env": {"env_vars": self.env}}
         cls, spec = _actor_class(self.role), self.spec.to_dict()
         with self._lock:
             if self._closed:

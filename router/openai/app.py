@@ -9,17 +9,17 @@
 
 Validation is the gRPC front's (`router.validation.validate`), with its field names mapped to
 OpenAI's parameters. Session affinity: the `X-Session-Id` header or a `session_id` body field.
-With an API token set, /v1/* needs `Authorization: Bearer <token>` (the rest stays open, as
-probes and scrapers need). A client-given `timeout` (seconds) is capped by the server's.
+With API tokens set, /v1/* needs `Authorization: Bearer <token>` (the rest stays open, as
+probes and scrapers need); each token's session ids are its own (`router.auth`). A
+client-given `timeout` (seconds) is capped by the server's, stop lists by `RequestLimits`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from pdserve.router.auth import PUBLIC_TENANT, APITokens
 from pdserve.router.openai.errors import HTTPError, error_body
 from pdserve.router.openai.generation import GenerationResponse
 from pdserve.router.openai.protocol import (
@@ -39,19 +40,22 @@ from pdserve.router.openai.protocol import (
 )
 from pdserve.router.openai.responses import Choices, TokenTexts
 from pdserve.router.router import Router
-from pdserve.router.validation import InvalidArgument, validate
+from pdserve.router.validation import DEFAULT_LIMITS, InvalidArgument, RequestLimits, validate
 
 MAX_BODY_BYTES = 8 << 20
 DEFAULT_TIMEOUT_S = 600.0
 
 
 class OpenAIApp:
-    def __init__(self, router: Router, ready: Callable[[], bool], api_token: str | None = None,
+    def __init__(self, router: Router, ready: Callable[[], bool],
+                 api_tokens: APITokens | str | Sequence[str] | None = None,
                  max_timeout_s: float = DEFAULT_TIMEOUT_S,
-                 max_body_bytes: int = MAX_BODY_BYTES) -> None:
+                 max_body_bytes: int = MAX_BODY_BYTES,
+                 limits: RequestLimits = DEFAULT_LIMITS) -> None:
         self.router, self.ready = router, ready
-        self.api_token = api_token.encode() if api_token else None
+        self.tokens = APITokens.of(api_tokens)
         self.max_timeout_s, self.max_body_bytes = max_timeout_s, max_body_bytes
+        self.limits = limits
         self.texts = TokenTexts(router.model.tokenizer)
         self.created = int(time.time())
         self.app = Starlette(routes=[
@@ -88,7 +92,7 @@ class OpenAIApp:
                         media_type=CONTENT_TYPE_LATEST)
 
     async def _generate(self, request: Request, parse: Callable[..., OpenAIRequest]) -> Any:
-        self._authorize(request)
+        tenant = self._authorize(request)
         received = time.monotonic()
         try:
             parsed = parse(await self._body(request), request.headers.get("x-session-id", ""))
@@ -96,7 +100,7 @@ class OpenAIApp:
             if parsed.model and parsed.model != model.name:
                 raise HTTPError(404, f"model {parsed.model!r} is not served here; this server "
                                      f"serves {model.name!r}", "model")
-            valid = await asyncio.to_thread(self._validate, parsed)
+            valid = await asyncio.to_thread(self._validate, parsed, tenant)
         except (InvalidArgument, HTTPError) as exc:
             self.router.metrics.count_request("invalid")
             status = exc.status if isinstance(exc, HTTPError) else 400
@@ -107,11 +111,12 @@ class OpenAIApp:
             parsed, lambda: [self.router.generate(v, received) for v in valid], answer,
             timeout, self.router.metrics.count_request)
 
-    def _validate(self, parsed: OpenAIRequest) -> list:
+    def _validate(self, parsed: OpenAIRequest, tenant: str) -> list:
         """Every choice's router request: each prompt validated and tokenized once."""
+        model = self.router.model
         try:
             return [choice for r in parsed.requests
-                    for choice in choices(validate(r, self.router.model), parsed.n)]
+                    for choice in choices(validate(r, model, self.limits, tenant), parsed.n)]
         except InvalidArgument as exc:
             raise BadParameter.from_router(exc, parsed.max_tokens_param,
                                            parsed.prompt_param) from None
@@ -127,12 +132,14 @@ class OpenAIApp:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise BadParameter("body", f"the request body is not valid JSON: {exc}") from None
 
-    def _authorize(self, request: Request) -> None:
-        if self.api_token is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self.api_token):
+    def _authorize(self, request: Request) -> str:
+        """The caller's tenant; HTTPError 401 without a valid token (when tokens are set)."""
+        if self.tokens is None:
+            return PUBLIC_TENANT
+        tenant = self.tokens.tenant(request.headers.get("authorization", ""))
+        if tenant is None:
             raise HTTPError(401, "missing or invalid API key: send Authorization: Bearer <key>")
+        return tenant
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

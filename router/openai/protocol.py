@@ -22,6 +22,7 @@ from pdserve.proto import pdserve_pb2
 from pdserve.router.validation import InvalidArgument, ValidRequest
 
 MAX_N = 16
+MAX_PROMPTS = 64  # prompts in one /v1/completions call (each fans out into n requests)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
 INT32_MAX = 2**31 - 1
 # Parameters pdserve does not implement: refused when they would change the answer, rather
@@ -201,6 +202,9 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         return [_token_ids(prompt)]
     if isinstance(prompt, list) and prompt:
+        if len(prompt) > MAX_PROMPTS:  # a list of prompts (a list of ids returned above)
+            raise BadParameter("prompt", f"prompt: {len(prompt)} prompts; the limit is "
+                                         f"{MAX_PROMPTS} per request")
         if all(isinstance(p, str) for p in prompt):
             return list(prompt)
         if all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt):

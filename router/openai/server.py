@@ -1,7 +1,8 @@
 """The HTTP server of the OpenAI API: uvicorn on the router's own event loop.
 
 It binds its socket itself (port 0 picks a free one; `port` reports it) and leaves signals to
-its owner: `pdserve up` and tests stop it with `stop()`.
+its owner: `pdserve up` and tests stop it with `stop()`. With `tls` it serves HTTPS, and with
+the TLS files' CA it requires client certificates signed by it.
 """
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 
 import uvicorn
+
+from pdserve.tls import TLSFiles
 
 logger = logging.getLogger(__name__)
 
@@ -23,13 +27,14 @@ class _Server(uvicorn.Server):
 
 
 class HTTPServer:
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0,
+                 tls: TLSFiles | None = None) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.create_server((host, port), family=family)
         self.port = self.socket.getsockname()[1]
-        self.url = f"http://{host}:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://{host}:{self.port}"
         config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=2)
+                                timeout_graceful_shutdown=2, **_ssl_options(tls))
         self._server = _Server(config)
         self._task: asyncio.Task | None = None
 
@@ -49,3 +54,12 @@ class HTTPServer:
             await self._task
             self._task = None
         self.socket.close()
+
+
+def _ssl_options(tls: TLSFiles | None) -> dict:
+    if tls is None:
+        return {}
+    options = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
+    if tls.ca is not None:  # mutual TLS: no handshake without a certificate the CA signed
+        options.update(ssl_ca_certs=tls.ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return options

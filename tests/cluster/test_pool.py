@@ -19,6 +19,7 @@ import time
 import grpc
 import pytest
 
+from pdserve.cluster_secret import ClusterSecret
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.worker_spec import WorkerSpec
@@ -30,6 +31,8 @@ from tests.workers.pd import engine_config, run_engine
 
 NUM_BLOCKS = 128
 RESTART_DEADLINE_S = 120.0
+SECRET = ClusterSecret.generate()  # every pool's; the workers get it through runtime_env
+AUTH = SECRET.grpc_metadata()
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +49,7 @@ def spec(model_dir, worker_id: str) -> WorkerSpec:
 @pytest.fixture(scope="module")
 def pool(ray_cluster, tiny_llama_dir):
     pool = WorkerPool(prefill=[spec(tiny_llama_dir, "prefill-0")],
-                      decode=[spec(tiny_llama_dir, "decode-0")])
+                      decode=[spec(tiny_llama_dir, "decode-0")], secret=SECRET)
     started = time.monotonic()
     infos = pool.start()
     print(f"pool (1 prefill + 1 decode) up in {time.monotonic() - started:.1f} s")
@@ -59,7 +62,8 @@ def get_load(info: WorkerInfo) -> worker_pb2.WorkerLoad:
     stub_class = (worker_pb2_grpc.PrefillWorkerStub if info.role == "prefill"
                   else worker_pb2_grpc.DecodeWorkerStub)
     with grpc.insecure_channel(info.address) as channel:
-        return stub_class(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=30)
+        return stub_class(channel).GetLoad(worker_pb2.GetLoadRequest(), metadata=AUTH,
+                                           timeout=30)
 
 
 def generate(prefill: WorkerInfo, decode: WorkerInfo, rid: str, prompt: list[int],
@@ -70,17 +74,17 @@ def generate(prefill: WorkerInfo, decode: WorkerInfo, rid: str, prompt: list[int
     with grpc.insecure_channel(decode.address) as d_channel, \
             grpc.insecure_channel(prefill.address) as p_channel:
         decode_stub = worker_pb2_grpc.DecodeWorkerStub(d_channel)
-        outputs = decode_stub.Outputs(worker_pb2.OutputsRequest(), timeout=120)
+        outputs = decode_stub.Outputs(worker_pb2.OutputsRequest(), metadata=AUTH, timeout=120)
         reserved = decode_stub.Reserve(worker_pb2.ReserveRequest(
             request_id=rid, prompt_token_ids=prompt, sampling=sampling,
             sources=[worker_pb2.Endpoint(host=host, port=int(port), rank=0)],
-            deadline=time.time() + 60), timeout=30)
+            deadline=time.time() + 60), metadata=AUTH, timeout=30)
         assert reserved.granted
         first = worker_pb2_grpc.PrefillWorkerStub(p_channel).Prefill(worker_pb2.PrefillRequest(
             request_id=rid, prompt_token_ids=prompt, sampling=sampling,
-            descriptor=reserved.descriptor), timeout=60)
+            descriptor=reserved.descriptor), metadata=AUTH, timeout=60)
         decode_stub.Start(worker_pb2.StartRequest(
-            request_id=rid, first_token_id=first.first_token_id), timeout=30)
+            request_id=rid, first_token_id=first.first_token_id), metadata=AUTH, timeout=30)
         tokens = []
         for step in outputs:
             for delta in step.deltas:
@@ -164,7 +168,7 @@ def test_supervision_restarts_a_killed_prefill_worker(pool):
 
 def test_decode_tp2_group_in_one_placement_group_restarts_whole(pool, tiny_llama_dir):
     prefill = by_id(pool)["prefill-0"]
-    group = WorkerPool(decode=[spec(tiny_llama_dir, "decode-tp2")], decode_tp=2)
+    group = WorkerPool(decode=[spec(tiny_llama_dir, "decode-tp2")], decode_tp=2, secret=SECRET)
     started = time.monotonic()
     try:
         [info] = group.start()
@@ -199,7 +203,7 @@ def test_pool_fails_fast_on_missing_resources(ray_cluster, tiny_llama_dir, kwarg
     kwargs = dict(kwargs)
     prefill = [spec(tiny_llama_dir, f"p{i}") for i in range(kwargs.pop("prefill", 0))]
     decode = [spec(tiny_llama_dir, f"d{i}") for i in range(kwargs.pop("decode", 0))]
-    pool = WorkerPool(prefill=prefill, decode=decode, **kwargs)
+    pool = WorkerPool(prefill=prefill, decode=decode, secret=SECRET, **kwargs)
     started = time.monotonic()
     with pytest.raises(ValueError, match=missing):
         pool.start()
@@ -208,7 +212,8 @@ def test_pool_fails_fast_on_missing_resources(ray_cluster, tiny_llama_dir, kwarg
 
 def test_pool_times_out_naming_what_it_waits_for(pool, tiny_llama_dir):
     """The only prefill resource is taken (by `pool`): creation waits, then fails cleanly."""
-    waiting = WorkerPool(prefill=[spec(tiny_llama_dir, "p-extra")], start_timeout_s=2)
+    waiting = WorkerPool(prefill=[spec(tiny_llama_dir, "p-extra")], start_timeout_s=2,
+                         secret=SECRET)
     with pytest.raises(TimeoutError, match=r"p-extra needs \{'CPU': 1, 'prefill': 1\}"):
         waiting.start()
     assert waiting.infos() == [] and by_id(pool)["prefill-0"]

@@ -30,12 +30,18 @@ def service(ray_cluster, tiny_llama_dir):
 
 
 
-def running_on(address: str) -> int:
-    """Requests running on a decode worker now (asked of the worker itself)."""
+def running_on(service, worker_id: str) -> int:
+    """Requests running on a decode worker now (asked of the worker itself, as the router)."""
+    address = service.router.decode[worker_id].address  # GetStats hands out no addresses
     with grpc.insecure_channel(address) as channel:
-        load = worker_pb2_grpc.DecodeWorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(),
-                                                                 timeout=5)
+        load = worker_pb2_grpc.DecodeWorkerStub(channel).GetLoad(
+            worker_pb2.GetLoadRequest(), timeout=5,
+            metadata=service.service.secret.grpc_metadata())
     return load.num_running
+
+
+def addresses(service) -> dict[str, str]:
+    return {c.worker_id: c.address for c in service.router.workers()}
 
 
 def prefix_owner(service, prompt: list[int]) -> tuple[str, int]:
@@ -93,8 +99,7 @@ def test_killed_decode_worker_fails_its_requests_and_comes_back(service):
             events = [asyncio.Event() for _ in range(6)]
             tasks = [asyncio.create_task(stream(client, i, e)) for i, e in enumerate(events)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
-            by_worker = {w.worker_id: running_on(w.address) for w in
-                         stats(service.address).workers if w.role == "decode"}
+            by_worker = {w: running_on(service, w) for w in service.router.decode}
             os.kill(pool.pids("decode-0")[0], signal.SIGKILL)
             results = await asyncio.wait_for(asyncio.gather(*tasks), 120)  # never hangs
             return by_worker, results
@@ -118,13 +123,13 @@ def test_killed_decode_worker_fails_its_requests_and_comes_back(service):
 
 def test_killed_prefill_worker_is_routed_around_then_restarted(service):
     pool = service.service.pool
-    before = {w.worker_id: w.address for w in stats(service.address).workers}
+    before = addresses(service)
     os.kill(pool.pids("prefill-0")[0], signal.SIGKILL)
     with Client(service.address, timeout=60) as client:
         for i in range(6):  # right after the kill: retried on prefill-1, none fails
             assert client.complete([11, 12, i] * 7, sampling=GREEDY).usage.completion_tokens == 8
         wait_until(lambda: all(w.up for w in stats(service.address).workers), RESTART_S,
                    "prefill-0 restarted and re-registered")
-        after = {w.worker_id: w.address for w in stats(service.address).workers}
+        after = addresses(service)
         assert after["prefill-0"] != before["prefill-0"]
         assert client.complete([13, 14, 15] * 7, sampling=GREEDY).usage.completion_tokens == 8

@@ -15,6 +15,7 @@ import grpc
 import pytest
 import redis
 
+from pdserve import redis_keys
 from pdserve.client import AsyncClient, Client, PdserveError
 from pdserve.engine.block_hash import hash_blocks
 from pdserve.engine.sampling_params import SamplingParams
@@ -94,7 +95,8 @@ def test_second_turn_of_a_session_reuses_the_first(service):
     assert second.usage.cached_tokens >= history - 2 * 16 - 2
     settings = service.service.settings
     r = redis.Redis.from_url(service.service.redis.url)
-    key = f"{settings.redis_namespace}:session:{session}"
+    key = redis_keys.session_key(settings.redis_namespace,  # one tenant: the API has no token
+                                 redis_keys.scoped_session_id(redis_keys.PUBLIC_TENANT, session))
     stored = r.hgetall(key)
     assert stored[b"decode_worker"] == b"decode-0"
     assert r.ttl(key) > 0

@@ -9,7 +9,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from pdserve.launch.redis_server import RedisServer, redis_server_binary
+from pdserve.launch.redis_server import RedisServer, redis_server_binary, split_password
 
 _NO_RETRY = {"socket_timeout": 1, "socket_connect_timeout": 1, "retry": Retry(NoBackoff(), 0)}
 
@@ -77,3 +77,13 @@ def test_bad_arguments_name_the_field():
         RedisServer(port=70000)
     with pytest.raises(ValueError, match="password"):
         RedisServer(password="a\nb")
+
+
+@pytest.mark.parametrize("url, given, expected", [
+    ("redis://:p%40ss@127.0.0.1:6379/0", None, ("redis://127.0.0.1:6379/0", "p@ss")),
+    ("redis://user:pw@[::1]:6379/2", "other", ("redis://user@[::1]:6379/2", "pw")),
+    ("redis://10.0.0.5:6379/0", "given", ("redis://10.0.0.5:6379/0", "given")),
+    ("redis://10.0.0.5:6379/0", None, ("redis://10.0.0.5:6379/0", None)),
+])
+def test_a_worker_gets_the_url_without_its_password(url, given, expected):
+    assert split_password(url, given) == expected

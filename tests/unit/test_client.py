@@ -366,3 +366,76 @@ def test_async_wait_ready(server, address):
                 await c.wait_ready(0.3)
 
     asyncio.run(main())
+
+
+# ---- TLS and the connection flags ----
+
+
+def test_client_speaks_tls_to_a_tls_server(tmp_path):
+    """Client and AsyncClient over TLS, verifying the server and presenting a client cert."""
+    from pdserve.client import ClientTLS
+    from pdserve.tls import TLSFiles
+    from tests.certs import write_pki
+
+    pki = write_pki(tmp_path)
+    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pdserve_pb2_grpc.add_InferenceServicer_to_server(FakeInference(), srv)
+    port = srv.add_secure_port(
+        "127.0.0.1:0", TLSFiles(pki.server_cert, pki.server_key, pki.ca).server_credentials())
+    srv.start()
+    address, tls = f"127.0.0.1:{port}", ClientTLS(pki.ca, pki.client_cert, pki.client_key)
+    try:
+        with Client(address, timeout=5, tls=tls) as c:
+            assert c.complete("hey").text == "hey"
+        with Client(address, timeout=5) as c, pytest.raises(PdserveError) as info:
+            c.complete("hey")  # plaintext to a TLS port
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+
+        async def main():
+            async with AsyncClient(address, timeout=5, tls=tls) as c:
+                return (await c.model_info()).model
+
+        assert asyncio.run(main()) == "fake"
+    finally:
+        srv.stop(0)
+
+
+def test_client_tls_refuses_half_a_client_certificate(tmp_path):
+    from pdserve.client import ClientTLS
+
+    cert = tmp_path / "c.pem"
+    cert.write_text("x")
+    with pytest.raises(ValueError, match="both"):
+        ClientTLS(cert=str(cert))
+    with pytest.raises(ValueError, match="does not exist"):
+        ClientTLS(ca=str(tmp_path / "missing.pem"))
+
+
+def test_connection_flags(tmp_path, monkeypatch):
+    import argparse
+
+    from pdserve.client import ClientTLS
+    from pdserve.client.options import add_connection_args, connection_kwargs
+
+    for name in ("PDSERVE_API_TOKEN", "PDSERVE_API_TOKEN_FILE", "PDSERVE_TLS", "PDSERVE_TLS_CA",
+                 "PDSERVE_TLS_CLIENT_CERT", "PDSERVE_TLS_CLIENT_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    parser = argparse.ArgumentParser()
+    add_connection_args(parser)
+    token_file, ca = tmp_path / "token", tmp_path / "ca.pem"
+    token_file.write_text("# the router's\nsecret-token\n")
+    ca.write_text("x")
+
+    def kwargs(*argv):
+        return connection_kwargs(parser.parse_args(list(argv)))
+
+    assert kwargs() == {"api_token": None, "tls": None}
+    assert kwargs("--api-token-file", str(token_file))["api_token"] == "secret-token"
+    assert kwargs("--tls-ca", str(ca))["tls"] == ClientTLS(str(ca))
+    assert kwargs("--tls")["tls"] == ClientTLS()
+    with pytest.raises(ValueError, match="--api-token and --api-token-file"):
+        kwargs("--api-token", "t", "--api-token-file", str(token_file))
+    monkeypatch.setenv("PDSERVE_API_TOKEN_FILE", str(token_file))
+    parser = argparse.ArgumentParser()
+    add_connection_args(parser)
+    assert kwargs()["api_token"] == "secret-token"

@@ -86,6 +86,7 @@ def test_chat_content_parts_and_logprobs() -> None:
     ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": [-5]}, "prompt"),
+    ({"prompt": ["a"] * 65}, "prompt"),  # MAX_PROMPTS
     ({}, "prompt"),
     ([], "body"),
 ])
@@ -121,6 +122,9 @@ def test_router_field_names_become_openai_parameters() -> None:
     assert rename("prompt must not be empty", prompt="messages")[0] == "messages"
     assert rename("prompt_token_ids: token id 9 is outside")[0] == "prompt"
     assert rename("messages[0].role must not be empty", prompt="messages")[0] == "messages"
+    assert rename("sampling.stop[3] is 300 characters; the limit is 256") == (
+        "stop", "stop[3] is 300 characters; the limit is 256")
+    assert rename("sampling.stop_token_ids: 65 ids; the limit is 64")[0] == "stop_token_ids"
 
 
 def message(text: str, ids: list[int], finish: str = "", stop: str = "",

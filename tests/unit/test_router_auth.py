@@ -50,3 +50,23 @@ def test_api_token_is_required_when_configured():
     assert codes == [("UNAUTHENTICATED",), ("UNAUTHENTICATED",), ("OK", 7, "ok")]
     assert health_status == health_pb2.HealthCheckResponse.ServingStatus.Name(
         health_pb2.HealthCheckResponse.SERVING)
+
+
+def test_api_tokens_name_each_caller_s_tenant():
+    import pytest
+
+    from pdserve.router.auth import PUBLIC_TENANT, APITokens, call_tenant, tenant_of
+
+    tokens = APITokens(["alpha", "beta"])
+    assert tokens.tenant("Bearer alpha") == tenant_of("alpha")
+    assert tokens.tenant("bearer beta") == tenant_of("beta")
+    assert tenant_of("alpha") != tenant_of("beta") and "alpha" not in tenant_of("alpha")
+    for header in ("Bearer gamma", "Basic alpha", "alpha", "Bearer ", ""):
+        assert tokens.tenant(header) is None
+    assert call_tenant(None, ()) == PUBLIC_TENANT  # an open API: one shared tenant
+    assert call_tenant(tokens, (("authorization", "Bearer beta"),)) == tenant_of("beta")
+    assert call_tenant(tokens, ()) is None
+    assert APITokens.of(None) is None and APITokens.of(()) is None
+    assert APITokens.of("alpha").tenant("Bearer alpha") == tenant_of("alpha")
+    with pytest.raises(ValueError):
+        APITokens(["alpha", ""])

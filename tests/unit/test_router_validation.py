@@ -9,8 +9,10 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto import pdserve_pb2, raw_pb2
 from pdserve.router.validation import (
     MAX_ID_CHARS,
+    MAX_REQUEST_ID_CHARS,
     InvalidArgument,
     ModelContext,
+    RequestLimits,
     ValidRequest,
     parse_generate_request,
     validate,
@@ -265,24 +267,52 @@ def test_served_model_by_name_or_empty(model) -> None:
     assert validate(request(prompt="hi", model=""), model).prompt_token_ids
 
 
-@pytest.mark.parametrize("field", ["request_id", "session_id"])
-def test_id_too_long(model, field: str) -> None:
-    message = refused(model, prompt="hi", **{field: "x" * (MAX_ID_CHARS + 1)})
-    assert message.startswith(f"{field} is {MAX_ID_CHARS + 1} characters")
-    valid = validate(request(prompt="hi", **{field: "y" * MAX_ID_CHARS}), model)
-    assert getattr(valid, field) == "y" * MAX_ID_CHARS
+@pytest.mark.parametrize(("field", "limit", "prefix"), [
+    ("request_id", MAX_REQUEST_ID_CHARS, ""), ("session_id", MAX_ID_CHARS, "public/")])
+def test_id_too_long(model, field: str, limit: int, prefix: str) -> None:
+    message = refused(model, prompt="hi", **{field: "x" * (limit + 1)})
+    assert message.startswith(f"{field} is {limit + 1} characters; the limit is {limit}")
+    valid = validate(request(prompt="hi", **{field: "y" * limit}), model)
+    assert getattr(valid, field) == prefix + "y" * limit
 
 
-def test_ids_are_kept(model) -> None:
+def test_ids_are_kept_and_sessions_scoped_by_tenant(model) -> None:
     valid = validate(request(prompt="hi", request_id="r-1", session_id="s-1"), model)
-    assert (valid.request_id, valid.session_id) == ("r-1", "s-1")
+    assert (valid.request_id, valid.session_id) == ("r-1", "public/s-1")
+    mine = validate(request(prompt="hi", session_id="s-1"), model, tenant="abc")
+    assert mine.session_id == "abc/s-1"
 
 
 def test_empty_request_id_gets_a_unique_one(model) -> None:
     ids = {validate(request(prompt="hi"), model).request_id for _ in range(20)}
     assert len(ids) == 20
-    assert all(i and len(i) <= MAX_ID_CHARS for i in ids)
+    assert all(i and len(i) <= MAX_REQUEST_ID_CHARS for i in ids)
     assert validate(request(prompt="hi"), model).session_id == ""
+
+
+LIMITS = RequestLimits(max_stop_strings=2, max_stop_string_chars=5, max_stop_token_ids=3)
+
+
+@pytest.mark.parametrize(("sampling", "message"), [
+    ({"stop": ["a", "b", "c"]}, "sampling.stop: 3 stop strings; the limit is 2"),
+    ({"stop": ["a", "toolong"]}, "sampling.stop[1] is 7 characters; the limit is 5"),
+    ({"stop_token_ids": [1, 2, 3, 4]}, "sampling.stop_token_ids: 4 ids; the limit is 3"),
+])
+def test_stop_lists_are_capped(model, sampling, message) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        validate(request(prompt="hi", sampling=sampling), model, LIMITS)
+    assert str(info.value) == message
+
+
+def test_stop_lists_at_the_caps_pass(model) -> None:
+    valid = validate(request(prompt="hi", sampling={"stop": ["a", "12345"],
+                                                    "stop_token_ids": [1, 2, 3]}), model, LIMITS)
+    assert valid.params.stop == ("a", "12345") and valid.params.stop_token_ids == (1, 2, 3)
+
+
+def test_limits_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_stop_strings"):
+        RequestLimits(max_stop_strings=0)
 
 
 # ---- parse_generate_request: bytes off the wire ----

@@ -317,3 +317,63 @@ def test_worker_threads_split_the_cores(monkeypatch, fields, threads) -> None:
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     service = Service(ServeSettings(**fields))
     assert {role: service._threads(role) for role in threads} == threads
+
+
+def test_api_token_two_ways_is_an_error_naming_both(tmp_path) -> None:
+    with pytest.raises(ValueError, match="api_token and api_token_file are both set"):
+        ServeSettings.load(None, {"PDSERVE_API_TOKEN": "t", "PDSERVE_API_TOKEN_FILE": "f"})
+
+
+def test_api_tokens_from_setting_or_file(tmp_path) -> None:
+    assert ServeSettings().api_tokens() == ()
+    assert ServeSettings(api_token="t").api_tokens() == ("t",)
+    path = tmp_path / "tokens"
+    path.write_text("a\n  b  \n# c\n\n")
+    assert ServeSettings(api_token_file=str(path)).api_tokens() == ("a", "b")
+    path.write_text("a b\n")
+    with pytest.raises(ValueError, match="whitespace"):
+        ServeSettings(api_token_file=str(path)).api_tokens()
+    with pytest.raises(ValueError, match="api_token_file"):
+        ServeSettings(api_token_file=str(tmp_path / "missing")).api_tokens()
+
+
+def test_tls_files_are_checked_when_used(tmp_path) -> None:
+    assert ServeSettings().tls() is None
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    cert.write_text("x")
+    key.write_text("y")
+    tls = ServeSettings(tls_cert=str(cert), tls_key=str(key)).tls()
+    assert (tls.cert, tls.key, tls.ca) == (str(cert), str(key), None)
+    with pytest.raises(ValueError, match="does not exist"):
+        ServeSettings(tls_cert=str(cert), tls_key=str(key),
+                      tls_client_ca=str(tmp_path / "none")).tls()
+    with pytest.raises(ValueError, match="both a certificate and its key"):
+        ServeSettings(tls_key=str(key)).tls()
+
+
+def test_cluster_tls_needs_all_three_files(tmp_path) -> None:
+    assert ServeSettings().cluster_tls() is None
+    paths = {}
+    for name in ("cert", "key", "ca"):
+        paths[f"cluster_tls_{name}"] = str(tmp_path / f"{name}.pem")
+        (tmp_path / f"{name}.pem").write_text(name)
+    tls = ServeSettings(**paths).cluster_tls()
+    assert (tls.cert, tls.key, tls.ca) == tuple(paths.values())
+    with pytest.raises(ValueError, match="cluster_tls_ca not set"):
+        ServeSettings(**(paths | {"cluster_tls_ca": None})).cluster_tls()
+    with pytest.raises(ValueError, match="does not exist"):
+        ServeSettings(**(paths | {"cluster_tls_key": str(tmp_path / "none")})).cluster_tls()
+
+
+@pytest.mark.parametrize("name", ["max_stop_strings", "max_stop_string_chars",
+                                  "max_stop_token_ids", "session_max_tokens",
+                                  "max_sessions_per_token", "redis_max_memory_bytes"])
+def test_caps_must_be_positive(name) -> None:
+    with pytest.raises(ValueError, match=name):
+        ServeSettings(**{name: 0})
+
+
+@pytest.mark.parametrize("value", [0.0, float("inf")])
+def test_grpc_timeout_must_be_finite_and_positive(value) -> None:
+    with pytest.raises(ValueError, match="grpc_timeout_s"):
+        ServeSettings(grpc_timeout_s=value)

@@ -16,6 +16,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from pdserve.cluster_secret import ClusterSecret
+from pdserve.decode_worker.actor import tp_group
 from pdserve.decode_worker.group import start_decode_rank
 from pdserve.engine.models.parallel import TensorParallel
 from pdserve.engine.sampling_params import SamplingParams
@@ -32,7 +34,8 @@ def answer(**body) -> None:
 
 def serve_prefill(cfg: dict) -> None:
     source = Endpoint("127.0.0.1", cfg["identity_port"], 0)
-    worker = PrefillWorker(engine_config(cfg["model_dir"]), GlooConnector(source), MODEL_NAME)
+    worker = PrefillWorker(engine_config(cfg["model_dir"]),
+                           GlooConnector(source, secret=ClusterSecret.from_env()), MODEL_NAME)
     die_after = cfg.get("die_after_layer_pushes")
     if die_after is not None:  # fault injection: the process dies in the middle of a push
         sender = worker.connector.sender
@@ -69,20 +72,22 @@ def serve_prefill(cfg: dict) -> None:
 
 def serve_decode(cfg: dict) -> None:
     rank, size = cfg["rank"], cfg["tp_size"]
+    secret = ClusterSecret.from_env()
     store = dist.TCPStore("127.0.0.1", cfg["tp_port"], None, rank == 0, wait_for_workers=False)
-    group = dist.ProcessGroupGloo(
-        dist.PrefixStore("tp", store), rank, size, datetime.timedelta(seconds=60)
-    )
+    group = tp_group(store, "127.0.0.1", rank, size,
+                     datetime.timedelta(seconds=cfg.get("tp_timeout_s", 60)))
     if rank == 0:
-        listener = GlooListener("127.0.0.1", rank=0)
+        listener = GlooListener("127.0.0.1", rank=0, secret=secret)
         store.set("kv_port", str(listener.endpoint.port))
     else:
         port = int(store.get("kv_port"))
-        listener = GlooListener("127.0.0.1", rank=rank, port=port, host_store=False)
+        listener = GlooListener("127.0.0.1", rank=rank, port=port, host_store=False,
+                                secret=secret)
     endpoints = [Endpoint("127.0.0.1", listener.endpoint.port, r) for r in range(size)]
     config = engine_config(cfg["model_dir"], num_blocks=cfg.get("num_blocks", 256))
     worker = start_decode_rank(config, TensorParallel(rank, size, group), listener, endpoints,
-                               MODEL_NAME)
+                               MODEL_NAME, max_reservation_s=cfg.get("max_reservation_s", 30.0),
+                               tp_beat_s=cfg.get("tp_beat_s", 2.0))
     if worker is None:
         return
     answer(ready=True, endpoint=[listener.endpoint.host, listener.endpoint.port, 0])

@@ -9,10 +9,12 @@ import time
 import weakref
 from collections import defaultdict
 
+from pdserve.cluster_secret import ClusterSecret
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, load_model_config
 from pdserve.engine.sampling_params import SamplingParams
 
 MODEL_NAME = "tiny-llama"
+SECRET = ClusterSecret(b"tests-workers-cluster-secret-0123456789")  # the worker plane's, in tests
 
 
 def engine_config(model_dir, num_blocks: int = 256, block_size: int = 16) -> EngineConfig:

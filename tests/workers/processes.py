@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from pdserve.engine.sampling_params import SamplingParams
+from tests.workers.pd import SECRET
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -27,7 +28,7 @@ class Host:
     """One worker process; `call` sends a command and returns its one-line JSON answer."""
 
     def __init__(self, config: dict) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **SECRET.to_env())
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.workers.host"], cwd=REPO, env=env, text=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,

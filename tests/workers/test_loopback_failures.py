@@ -12,13 +12,14 @@ from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.kvtransfer.descriptor import Endpoint
 from pdserve.kvtransfer.loopback import LoopbackHub
 from pdserve.prefill_worker.worker import PrefillWorker
-from tests.workers.pd import MODEL_NAME, engine_config, generate_pd, streams
+from tests.workers.pd import MODEL_NAME, SECRET, engine_config, generate_pd, streams
 from tests.workers.test_loopback_pd import PARAMS, single_engine
 
 
 def decode_at(hub, model_dir, port):
     ep = Endpoint("127.0.0.1", port, 0)
-    return DecodeWorker(engine_config(model_dir), hub.listener(ep), [ep], MODEL_NAME)
+    return DecodeWorker(engine_config(model_dir), hub.listener(ep, secret=SECRET), [ep],
+                        MODEL_NAME)
 
 
 def assert_all_free(*workers):
@@ -32,7 +33,8 @@ def hub_workers(tiny_llama_dir):
     hub = LoopbackHub()
     decode = decode_at(hub, tiny_llama_dir, 9)
     prefill = PrefillWorker(engine_config(tiny_llama_dir),
-                            hub.connector(Endpoint("127.0.0.1", 8, 0)), MODEL_NAME)
+                            hub.connector(Endpoint("127.0.0.1", 8, 0), secret=SECRET),
+                            MODEL_NAME)
     yield hub, prefill, decode
     prefill.close()
     decode.close()
@@ -106,4 +108,6 @@ def test_a_dead_decode_loop_ends_every_stream_with_the_reason(tiny_llama_dir, hu
         assert last.finish_reason == "error" and "fell off the bus" in last.error
     assert not decode.is_alive()
     with pytest.raises(RuntimeError, match="died"):
-        decode.stats()
+        decode.submit("after", list(range(10, 40)), long_run)
+    stats = decode.stats()  # read directly once the loop is gone: every block was freed
+    assert stats.num_free_blocks == stats.num_blocks and stats.num_running == 0, stats

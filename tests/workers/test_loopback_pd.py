@@ -14,7 +14,7 @@ from pdserve.kvtransfer.descriptor import Endpoint
 from pdserve.kvtransfer.loopback import LoopbackHub
 from pdserve.prefill_worker.worker import PrefillWorker
 from tests.integration.hf_reference import mixed_prompts
-from tests.workers.pd import MODEL_NAME, engine_config, generate_pd, run_engine
+from tests.workers.pd import MODEL_NAME, SECRET, engine_config, generate_pd, run_engine
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -27,10 +27,10 @@ def single_engine(model_dir, prompts, params=PARAMS):
 def workers(tiny_llama_dir):
     hub = LoopbackHub()
     decode_ep = Endpoint("127.0.0.1", 9, 0)
-    decode = DecodeWorker(engine_config(tiny_llama_dir), hub.listener(decode_ep), [decode_ep],
-                          MODEL_NAME)
+    decode = DecodeWorker(engine_config(tiny_llama_dir), hub.listener(decode_ep, secret=SECRET),
+                          [decode_ep], MODEL_NAME)
     prefill = PrefillWorker(engine_config(tiny_llama_dir), hub.connector(
-        Endpoint("127.0.0.1", 8, 0)), MODEL_NAME)
+        Endpoint("127.0.0.1", 8, 0), secret=SECRET), MODEL_NAME)
     yield prefill, decode
     prefill.close()
     decode.close()
@@ -63,8 +63,8 @@ def test_layout_mismatch_fails_before_any_transfer(tiny_llama_dir, mismatch):
 
     hub = LoopbackHub()
     decode_ep = Endpoint("127.0.0.1", 9, 0)
-    decode = DecodeWorker(engine_config(tiny_llama_dir), hub.listener(decode_ep), [decode_ep],
-                          MODEL_NAME)
+    decode = DecodeWorker(engine_config(tiny_llama_dir), hub.listener(decode_ep, secret=SECRET),
+                          [decode_ep], MODEL_NAME)
     config = engine_config(tiny_llama_dir)
     if mismatch == "block_size":
         config = dataclasses.replace(config, cache=CacheConfig(block_size=32, num_blocks=128))
@@ -72,7 +72,8 @@ def test_layout_mismatch_fails_before_any_transfer(tiny_llama_dir, mismatch):
         config = dataclasses.replace(
             config, model=dataclasses.replace(config.model, dtype="bfloat16")
         )
-    prefill = PrefillWorker(config, hub.connector(Endpoint("127.0.0.1", 8, 0)), MODEL_NAME)
+    prefill = PrefillWorker(config, hub.connector(Endpoint("127.0.0.1", 8, 0), secret=SECRET),
+                            MODEL_NAME)
     try:
         prompt = list(range(100, 164))
         desc = decode.reserve("m", prompt, PARAMS, [prefill.endpoint], 1e12)

@@ -1,0 +1,143 @@
+"""DecodeClient: the router's client of one decode worker, and the reader of its output stream.
+
+One task reads the worker's `Outputs` stream and sorts each step's deltas into per-request
+queues; a queue lives from `open` (before the request is reserved or submitted) to
+`close_request` (whatever ended the request), so the table holds only requests in flight.
+The stream is the worker's heartbeat: a healthy worker sends at least an empty message every
+second, so `silence_s` without any message means a wedged or stopped worker (or a half-open
+connection). Then, as on a broken stream or any `mark_down`, every queued request ends with
+`Lost` at once, and the reader reconnects; the worker is back in rotation once the new stream
+delivers and a load poll answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from pdserve.cluster_secret import ClusterSecret
+from pdserve.proto import worker_pb2, worker_pb2_grpc
+from pdserve.router.workers import (
+    LOAD_TIMEOUT_S,
+    OUTPUTS_SILENCE_S,
+    RECONNECT_S,
+    RPC_TIMEOUT_S,
+    Lost,
+    WorkerClient,
+)
+from pdserve.tls import TLSFiles
+
+
+class DecodeClient(WorkerClient):
+    def __init__(self, worker_id: str, address: str, secret: ClusterSecret,
+                 rpc_timeout_s: float = RPC_TIMEOUT_S,
+                 silence_s: float = OUTPUTS_SILENCE_S, tls: TLSFiles | None = None) -> None:
+        super().__init__(worker_id, "decode", address, secret, rpc_timeout_s, tls)
+        if silence_s <= 0:
+            raise ValueError(f"silence_s must be > 0 (seconds), got {silence_s}")
+        self.silence_s = silence_s
+        self._stub = worker_pb2_grpc.DecodeWorkerStub(self.channel)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._streaming = False  # the current Outputs stream has delivered a message
+        self._sent = (0, 0)  # (blocks, requests) the router has sent here, ever
+        self._sent_before_load = (0, 0)  # ... before it asked for the load it holds
+
+    def start(self) -> None:
+        super().start()
+        self._tasks.append(asyncio.create_task(self._read_outputs(),
+                                               name=f"outputs-{self.worker_id}"))
+
+    async def close(self) -> None:
+        await super().close()
+        self._fail_all("the router is closing")
+
+    @property
+    def num_open(self) -> int:
+        """Requests with an output queue here (in flight on this worker)."""
+        return len(self._queues)
+
+    def open(self, request_id: str) -> asyncio.Queue:
+        """The queue this request's deltas arrive on; open it before reserving or submitting."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = q
+        return q
+
+    def close_request(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    def mark_down(self, reason: str) -> None:
+        """Out of rotation, and every request waiting on this worker ends (WorkerLost)."""
+        super().mark_down(reason)
+        self._fail_all(reason)
+
+    async def reserve(self, request: worker_pb2.ReserveRequest) -> worker_pb2.ReserveResponse:
+        return await self._call(self._stub.Reserve, request)
+
+    async def start_request(self, request: worker_pb2.StartRequest) -> None:
+        await self._call(self._stub.Start, request)
+
+    async def submit(self, request: worker_pb2.SubmitRequest) -> bool:
+        return (await self._call(self._stub.Submit, request)).granted
+
+    async def abort(self, request_id: str) -> bool:
+        try:
+            response = await self._stub.Abort(
+                worker_pb2.WorkerAbortRequest(request_id=request_id), timeout=LOAD_TIMEOUT_S,
+                metadata=self.metadata)
+            return response.found
+        except grpc.aio.AioRpcError:
+            return False
+
+    def note_sent(self, num_blocks: int) -> None:
+        """A request is on its way here: count it until a load report includes it."""
+        self._sent = (self._sent[0] + num_blocks, self._sent[1] + 1)
+
+    @property
+    def num_pending(self) -> tuple[int, int]:
+        """(blocks, requests) sent since the load report was asked for: not in it yet."""
+        return (self._sent[0] - self._sent_before_load[0],
+                self._sent[1] - self._sent_before_load[1])
+
+    async def _get_load(self) -> worker_pb2.WorkerLoad:
+        sent = self._sent
+        load = await super()._get_load()
+        self._sent_before_load = sent
+        return load
+
+    def _on_load(self) -> bool:
+        return self._streaming  # not in rotation until its outputs can be read
+
+    async def _read_outputs(self) -> None:
+        while True:
+            call = self._stub.Outputs(worker_pb2.OutputsRequest(), metadata=self.metadata)
+            try:
+                reason = await self._pump(call)
+            except grpc.aio.AioRpcError as exc:
+                self._refusal(exc)  # a refused secret is logged loudly
+                reason = f"output stream broke: {exc.code().name}"
+            finally:
+                call.cancel()
+            self._streaming = False
+            self.mark_down(reason)
+            await asyncio.sleep(RECONNECT_S)
+
+    async def _pump(self, call) -> str:
+        """Sort the stream's deltas until it ends or falls silent; why it stopped."""
+        while True:
+            try:
+                step = await asyncio.wait_for(call.read(), self.silence_s)
+            except TimeoutError:
+                return f"output stream silent for {self.silence_s:g} s"
+            if step is grpc.aio.EOF:
+                return "output stream ended"
+            self._streaming = True
+            for delta in step.deltas:
+                q = self._queues.get(delta.request_id)
+                if q is not None:
+                    q.put_nowait(delta)
+
+    def _fail_all(self, reason: str) -> None:
+        for q in self._queues.values():
+            q.put_nowait(Lost(f"decode worker {self.worker_id} lost: {reason}"))
+        self._queues.clear()

@@ -1,0 +1,133 @@
+"""Liveness is not load (issue 16, findings 11 and 13, router side).
+
+A decode worker whose output stream goes silent (its engine loop wedged, its process
+stopped) ends every request on it UNAVAILABLE within `outputs_silence_s` and comes back when
+it speaks again; the supervisor's `mark_down` ends them at once; a worker whose load polls
+answer late but whose stream is alive stays in rotation and serves. The silent and slow
+workers are scripted gRPC servers (the router is what is under test); `mark_down` runs
+against the real service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import pytest
+
+from pdserve.client import AsyncClient, PdserveError
+from pdserve.cluster_secret import ClusterSecret
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.validation import ModelContext
+from pdserve.router.workers import LOAD_TIMEOUT_S, WorkerLost
+from tests.e2e.harness import running, stats, tiny_settings, wait_until
+from tests.faults.router_fakes import (
+    TOKENS,
+    FakeDecode,
+    FakePrefill,
+    collect,
+    make_router,
+    request,
+    serving,
+)
+
+SECRET = ClusterSecret.generate()
+SILENCE_S = 1.5
+MARGIN_S = 3.0  # scheduling slack on a loaded 2-core machine
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama_dir) -> ModelContext:
+    return ModelContext.load(str(tiny_llama_dir), "tiny")
+
+
+@contextlib.asynccontextmanager
+async def isolated(model, decode: FakeDecode, d_addr: str, p_addr: str):
+    router = make_router(model, SECRET, outputs_silence_s=SILENCE_S)
+    await router.add_worker("prefill-0", "prefill", p_addr)
+    await router.add_worker(decode.worker_id, "decode", d_addr)
+    try:
+        await router.wait_ready(10)
+        yield router
+    finally:
+        await router.close()
+
+
+def test_silent_output_stream_fails_its_requests_then_recovers(model):
+    decode, prefill = FakeDecode(), FakePrefill()
+
+    async def scenario(d_addr, p_addr):
+        async with isolated(model, decode, d_addr, p_addr) as router:
+            client = router.decode[decode.worker_id]
+            decode.silent.set()  # a wedged engine loop: RPCs answer, the stream says nothing
+            started = time.monotonic()
+            with pytest.raises(WorkerLost):
+                await asyncio.wait_for(collect(router, request()), SILENCE_S + MARGIN_S)
+            took = time.monotonic() - started
+            assert not client.up and client.num_open == 0
+            decode.silent.clear()  # the loop comes round again
+            await router.wait_ready(SILENCE_S + MARGIN_S)
+            messages = await asyncio.wait_for(collect(router, request("after")), 10)
+            return took, messages
+
+    with serving(decode, SECRET) as d_addr, serving(prefill, SECRET) as p_addr:
+        took, messages = asyncio.run(scenario(d_addr, p_addr))
+    assert took <= SILENCE_S + MARGIN_S
+    assert [t for m in messages for t in m.token_ids] == list(TOKENS)
+
+
+def test_slow_load_polls_keep_a_live_worker_in_rotation(model):
+    decode, prefill = FakeDecode(), FakePrefill()
+
+    async def scenario(d_addr, p_addr):
+        async with isolated(model, decode, d_addr, p_addr) as router:
+            client = router.decode[decode.worker_id]
+            decode.load_delay_s = LOAD_TIMEOUT_S + 1.0  # every poll now times out
+            await asyncio.sleep(2 * (LOAD_TIMEOUT_S + 1.0))
+            in_rotation, stale = client.in_rotation, client.load_stale
+            done = [await asyncio.wait_for(collect(router, request(f"r{i}")), 10)
+                    for i in range(5)]
+            return in_rotation, stale, done
+
+    with serving(decode, SECRET) as d_addr, serving(prefill, SECRET) as p_addr:
+        in_rotation, stale, done = asyncio.run(scenario(d_addr, p_addr))
+    assert stale  # the polls did time out
+    assert in_rotation
+    assert all([t for m in ms for t in m.token_ids] == list(TOKENS) for ms in done)
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster, tiny_llama_dir):
+    with running(tiny_settings(tiny_llama_dir, ray_cluster.address)) as service:
+        yield service
+
+
+def test_mark_down_ends_every_request_on_the_worker_at_once(service, quiescent):
+    params = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
+
+    async def stream(client, i, started):
+        try:
+            async for _ in client.generate([3, 4, 5, i], sampling=params):
+                started.set()
+            return "ok"
+        except PdserveError as exc:
+            return exc.code.name
+
+    async def run():
+        async with AsyncClient(service.address, timeout=120) as client:
+            events = [asyncio.Event() for _ in range(4)]
+            tasks = [asyncio.create_task(stream(client, i, e)) for i, e in enumerate(events)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
+            router = service.router
+            service.loop.call_soon_threadsafe(router.mark_down, "decode-0")
+            begun = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            return results, time.monotonic() - begun
+
+    results, took = asyncio.run(run())
+    assert results == ["UNAVAILABLE"] * 4
+    assert took < 2.0
+    # the worker itself is alive: it is back in rotation at its next poll, and serves
+    wait_until(lambda: all(w.up for w in stats(service.address).workers), 10, "decode-0 back")
+    quiescent(service, 2, 10)
