@@ -1,0 +1,28 @@
+"""Smoke test of benchmarks/router_throughput.py: a tiny run, checked for correctness only.
+
+The synthetic decode worker and the real router each run in their own process; every stream
+must get exactly its max_tokens tokens (finish_reason "length") and every number must be
+positive. No speed is asserted: this machine's cores are shared.
+"""
+
+from __future__ import annotations
+
+from benchmarks.router_throughput import main
+
+MAX_TOKENS = 20
+STREAMS = 8
+
+
+def test_tiny_grpc_run_streams_every_token(capsys) -> None:
+    results = main(["--fronts", "grpc", "--streams", str(STREAMS), "--max-tokens",
+                    str(MAX_TOKENS), "--duration", "3", "--step-ms", "10"])
+    assert len(results) == 1
+    result = results[0]
+    assert result["errors"] == {}
+    assert result["requests"] >= STREAMS  # every stream finished at least one request
+    assert result["outcomes"] == {f"{MAX_TOKENS} length": result["requests"]}
+    assert result["tokens"] == result["requests"] * MAX_TOKENS
+    for key in ("tok_s", "router_us_per_token", "router_cpu", "p50_ms", "p99_ms"):
+        assert result[key] > 0, key
+    assert result["threads"]["router"] > 0
+    assert "router_us_per_token" in capsys.readouterr().out
