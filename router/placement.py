@@ -187,6 +187,9 @@ class Placer:
         except grpc.aio.AioRpcError as exc:
             _check(flight)
             raise _prefill_error(prefill, exc) from None
+        except WorkerLost as exc:  # marked down mid-prompt: another prefill worker may take it
+            _check(flight)
+            raise PrefillLost(prefill.worker_id, str(exc)) from None
         finally:
             flight.prefill = None
 

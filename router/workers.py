@@ -193,19 +193,35 @@ class PrefillClient(WorkerClient):
                  rpc_timeout_s: float = RPC_TIMEOUT_S, tls: TLSFiles | None = None) -> None:
         super().__init__(worker_id, "prefill", address, secret, rpc_timeout_s, tls)
         self._stub = worker_pb2_grpc.PrefillWorkerStub(self.channel)
+        self._calls: set[grpc.aio.UnaryUnaryCall] = set()  # Prefill RPCs in flight here
         host, port = address.rsplit(":", 1)
         self.source = worker_pb2.Endpoint(host=host, port=int(port), rank=0)  # its KV identity
 
     async def prefill(self, request: worker_pb2.PrefillRequest, num_tokens: int,
                       timeout: float) -> worker_pb2.PrefillResponse:
-        """Raises grpc.aio.AioRpcError: the placer decides which side a failure is on."""
+        """Raises grpc.aio.AioRpcError (the placer decides which side a failure is on), or
+        WorkerLost when the worker is marked down while the prompt is on it."""
+        call = self._stub.Prefill(request, timeout=timeout, metadata=self.metadata)
+        self._calls.add(call)
         self.num_inflight += 1
         self.num_inflight_tokens += num_tokens
         try:
-            return await self._stub.Prefill(request, timeout=timeout, metadata=self.metadata)
+            return await call
+        except asyncio.CancelledError:
+            if call.cancelled() and not asyncio.current_task().cancelling():  # by mark_down
+                raise WorkerLost(f"prefill worker {self.worker_id} went down") from None
+            raise
         finally:
+            self._calls.discard(call)
             self.num_inflight -= 1
             self.num_inflight_tokens -= num_tokens
+
+    def mark_down(self, reason: str) -> None:
+        """Out of rotation, and its prompts go elsewhere now, not at their KV deadline (a
+        stopped process holds a connection open until it is killed)."""
+        super().mark_down(reason)
+        for call in list(self._calls):
+            call.cancel()
 
     async def abort(self, request_id: str) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError):

@@ -22,6 +22,8 @@ from pdserve.launch.settings import ServeSettings
 
 logger = logging.getLogger(__name__)
 
+STOP_PART_S = 30.0  # the longest one part of the service may take to stop
+
 
 class Service:
     def __init__(self, settings: ServeSettings) -> None:
@@ -74,26 +76,24 @@ class Service:
         await self._start_router(model_path, model_name, redis_url, infos)
 
     async def stop(self) -> None:
-        for task in (self._planner, self._supervisor):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        if self.http is not None:
-            await self.http.stop()
-        if self.router_server is not None:
-            await self.router_server.stop()
-        if self.metrics is not None:
-            self.metrics.stop_http()
-        if self.store is not None:
-            await self.store.close()
-        if self.pool is not None:
-            await asyncio.to_thread(self.pool.shutdown)
-        if self._started_ray:
-            from pdserve.launch.ray_runtime import stop_ray
-
-            stop_ray()
-        if self.redis is not None:
-            self.redis.stop()
+        """Stop what was started, front to back. Each part gets STOP_PART_S: one that hangs is
+        logged by name and left behind, and the parts after it still stop."""
+        tasks = [t for t in (self._planner, self._supervisor) if t is not None]
+        for task in tasks:
+            task.cancel()
+        parts = [
+            ("planner and supervisor", lambda: asyncio.gather(*tasks, return_exceptions=True)),
+            ("OpenAI front", self.http and self.http.stop),
+            ("router", self.router_server and self.router_server.stop),
+            ("metrics server", self.metrics and _async(self.metrics.stop_http)),
+            ("Redis store", self.store and self.store.close),
+            ("worker pool", self.pool and (lambda: asyncio.to_thread(self.pool.shutdown))),
+            ("Ray", self._started_ray and _async(_stop_ray)),
+            ("bundled Redis", self.redis and _async(self.redis.stop)),
+        ]
+        for name, stop in parts:
+            if stop:
+                await _stop_part(name, stop)
 
     def _start_redis(self) -> str:
         """The bundled redis-server, where every worker can reach it and no further: loopback
@@ -267,3 +267,25 @@ def _cluster_secret() -> ClusterSecret:
     if os.environ.get(cluster_secret.ENV) or os.environ.get(cluster_secret.ENV_FILE):
         return ClusterSecret.from_env()
     return ClusterSecret.generate()
+
+
+async def _stop_part(name: str, stop) -> None:
+    try:
+        await asyncio.wait_for(stop(), STOP_PART_S)
+    except TimeoutError:
+        logger.error("stopping the %s took over %g s: left behind", name, STOP_PART_S)
+    except Exception:
+        logger.exception("stopping the %s failed", name)
+
+
+def _async(fn):
+    """A blocking stop step (each bounded on its own) as a coroutine function."""
+    async def run() -> None:
+        fn()
+    return run
+
+
+def _stop_ray() -> None:
+    from pdserve.launch.ray_runtime import stop_ray
+
+    stop_ray()

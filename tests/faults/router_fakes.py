@@ -96,15 +96,19 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
 
 
 class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
-    """Answers TOKENS[0], or fails with the next code of `failures` while there is one."""
+    """Answers TOKENS[0], or fails with the next code of `failures` while there is one; while
+    `hang` is set, a Prefill never answers (a stopped process: only the caller can end it)."""
 
     def __init__(self, worker_id: str = "prefill-0") -> None:
         self.worker_id = worker_id
         self.failures: list[grpc.StatusCode] = []
         self.requests: list[str] = []
+        self.hang = threading.Event()
 
     def Prefill(self, request, context):
         self.requests.append(request.request_id)
+        while self.hang.is_set() and context.is_active():
+            time.sleep(0.01)
         if self.failures:
             context.abort(self.failures.pop(0), "scripted failure")
         return worker_pb2.PrefillResponse(first_token_id=TOKENS[0])

@@ -77,6 +77,41 @@ def test_silent_output_stream_fails_its_requests_then_recovers(model):
     assert [t for m in messages for t in m.token_ids] == list(TOKENS)
 
 
+def test_a_prefill_worker_marked_down_releases_its_prompts_at_once(model):
+    """A stopped prefill process holds its connection open until it is killed: the prompts on
+    it must not wait for their KV deadline once the supervisor has said it is dead."""
+    decode, prefill = FakeDecode(), FakePrefill()
+    deadline_s = 30.0
+
+    async def scenario(d_addr, p_addr):
+        router = make_router(model, SECRET, kv_transfer_timeout_s=deadline_s)
+        await router.add_worker("prefill-0", "prefill", p_addr)
+        await router.add_worker(decode.worker_id, "decode", d_addr)
+        try:
+            await router.wait_ready(10)
+            prefill.hang.set()
+            task = asyncio.create_task(collect(router, request()))
+            await asyncio.wait_for(_until(lambda: prefill.requests), 5)
+            started = time.monotonic()
+            router.mark_down("prefill-0")
+            with pytest.raises(WorkerLost):
+                await asyncio.wait_for(task, deadline_s)
+            return time.monotonic() - started, router.decode[decode.worker_id].num_open
+        finally:
+            prefill.hang.clear()
+            await router.close()
+
+    with serving(decode, SECRET) as d_addr, serving(prefill, SECRET) as p_addr:
+        took, num_open = asyncio.run(scenario(d_addr, p_addr))
+    assert took < MARGIN_S, took  # not the 30 s KV deadline
+    assert decode.aborted == decode.reserved and num_open == 0  # its reservation was freed
+
+
+async def _until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
+
+
 def test_slow_load_polls_keep_a_live_worker_in_rotation(model):
     decode, prefill = FakeDecode(), FakePrefill()
 
