@@ -101,7 +101,7 @@ class ClusterAuthInterceptor(grpc.ServerInterceptor):
         if handler is None or self._secret.check_grpc_metadata(
                 handler_call_details.invocation_metadata):
             return handler
-        return _refusal(handler)
+        return refusal(handler, _deny, _deny_stream)
 
 
 def _deny(request, context):
@@ -114,9 +114,11 @@ def _deny_stream(request, context):
     yield  # pragma: no cover - never reached: abort raised
 
 
-def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def refusal(handler: grpc.RpcMethodHandler, deny, deny_stream) -> grpc.RpcMethodHandler:
+    """`handler` replaced by one that refuses the call (`deny`, or `deny_stream` for a
+    server-streaming method), keeping its (de)serializers; sync or grpc.aio alike."""
     kwargs = {"request_deserializer": handler.request_deserializer,
               "response_serializer": handler.response_serializer}
     if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(_deny_stream, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(_deny, **kwargs)
+        return grpc.unary_stream_rpc_method_handler(deny_stream, **kwargs)
+    return grpc.unary_unary_rpc_method_handler(deny, **kwargs)

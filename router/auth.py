@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 
 import grpc
 
+from pdserve.cluster_secret import refusal
 from pdserve.redis_keys import PUBLIC_TENANT
 
 OPEN_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
@@ -61,9 +62,6 @@ class APITokens:
         return found
 
 
-__all__ = ["PUBLIC_TENANT", "APITokens", "TokenAuth", "call_tenant", "tenant_of"]
-
-
 def call_tenant(tokens: APITokens | None, metadata) -> str | None:
     """The tenant of a gRPC call's metadata (PUBLIC_TENANT when the API is open)."""
     if tokens is None:
@@ -85,7 +83,7 @@ class TokenAuth(grpc.aio.ServerInterceptor):
             return handler
         if call_tenant(self._tokens, handler_call_details.invocation_metadata) is not None:
             return handler
-        return _refusal(handler)
+        return refusal(handler, _deny, _deny_stream)
 
 
 async def _deny(request, context):
@@ -96,11 +94,3 @@ async def _deny(request, context):
 async def _deny_stream(request, context):
     await _deny(request, context)
     yield  # pragma: no cover - never reached: abort raised
-
-
-def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    kwargs = {"request_deserializer": handler.request_deserializer,
-              "response_serializer": handler.response_serializer}
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(_deny_stream, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(_deny, **kwargs)

@@ -28,7 +28,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pdserve.router.auth import PUBLIC_TENANT, APITokens
+from pdserve.redis_keys import PUBLIC_TENANT
+from pdserve.router.auth import APITokens
 from pdserve.router.openai.errors import HTTPError, error_body
 from pdserve.router.openai.generation import GenerationResponse
 from pdserve.router.openai.protocol import (

@@ -55,7 +55,8 @@ def test_api_token_is_required_when_configured():
 def test_api_tokens_name_each_caller_s_tenant():
     import pytest
 
-    from pdserve.router.auth import PUBLIC_TENANT, APITokens, call_tenant, tenant_of
+    from pdserve.redis_keys import PUBLIC_TENANT
+    from pdserve.router.auth import APITokens, call_tenant, tenant_of
 
     tokens = APITokens(["alpha", "beta"])
     assert tokens.tenant("Bearer alpha") == tenant_of("alpha")
