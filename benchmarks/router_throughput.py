@@ -1,22 +1,27 @@
 """The router's ceiling, measured alone: a synthetic decode worker behind the real router.
 
     python -m benchmarks.router_throughput [--fronts grpc,http] [--streams 64,256]
-        [--max-tokens 256] [--step-ms 5] [--duration 20] [--profile]
+        [--router-processes 1,2,4] [--max-tokens 256] [--step-ms 5] [--duration 20]
+        [--profile]
 
-Three processes: the synthetic decode worker (benchmarks.synthetic_decode: no model, one
-StepOutputs per `step_ms` with a token for every running request), the real Router +
-RouterServer (+ the OpenAI HTTP front) in colocated mode (the router Submits to the decode
-worker; no prefill worker) with the bundled SmolLM2 tokenizer, and this one: N closed-loop
-streams of token-id prompts (max_tokens M, ignore_eos) over grpc.aio, or httpx SSE to
-/v1/completions. Per front and concurrency: streamed tok/s (tokens received inside the
-duration window) beside the offered rate (streams x 1000 / step_ms); router CPU per token
-(psutil user + system CPU of the router process over the phase, drain included, / tokens);
-CPU utilisation (1.0 = one core) of router, worker and client (a saturated client or worker
-caps the number, not the router); p50 / p99 added latency per token (client receive time
-minus the worker's emit time of that token's step, both `time.monotonic()`); thread counts.
-`--profile`: the router's event-loop thread under cProfile (CPU numbers then include the
-profiler), top functions by cumulative and by own time. `start_routers(count, ...)` starts
-router processes; today one, on its own ports.
+Processes: the synthetic decode worker (benchmarks.synthetic_decode: no model, one
+StepOutputs per `step_ms` with a token for every running request, several steps merged into
+one message when a router reads slower, as a real decode worker does), N router processes
+(the real Router + RouterServer + OpenAI HTTP front, colocated mode: the router Submits to the
+decode worker; no prefill worker; the bundled SmolLM2 tokenizer; uvloop) sharing one gRPC and
+one HTTP port through SO_REUSEPORT as `pdserve up --router-processes N` does, and this one:
+closed-loop streams of token-id prompts (max_tokens M, ignore_eos) over grpc.aio (4 streams
+per connection), or httpx SSE to /v1/completions (a connection per stream).
+
+Per router count, front and concurrency: streamed tok/s (tokens received inside the duration
+window) beside the offered rate (streams x 1000 / step_ms); tokens per message (1.0: no
+coalescing; more when the router or client fell behind and deltas merged); router CPU per
+token (psutil user + system CPU of the router processes over the phase, drain included, /
+tokens); CPU utilisation (1.0 = one core) of routers, worker and client (a saturated client or
+worker caps the number, not the router); p50 / p99 added latency per token (client receive
+time minus the time the worker's clock produced that token's step, both `time.monotonic()`);
+thread counts. `--profile`: each router's event-loop thread under cProfile (CPU numbers then
+include the profiler), top functions by cumulative and by own time.
 """
 
 from __future__ import annotations
@@ -46,11 +51,15 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 
 def start_routers(count: int, secret: ClusterSecret, worker_address: str, http: bool,
                   profile: bool) -> list[Child]:
-    """`count` router processes, each on its own ports, all subscribed to the worker."""
+    """`count` router processes sharing one gRPC and one HTTP port (SO_REUSEPORT: the kernel
+    spreads connections over them, as `pdserve up --router-processes` does), each with its
+    own subscription to the worker."""
     routers: list[Child] = []
+    ports = (0, 0)  # the first router picks free ports; the others bind the same
     try:
         for _ in range(count):
-            routers.append(spawn(_router_main, secret, worker_address, http, profile))
+            routers.append(spawn(_router_main, secret, worker_address, http, profile, ports))
+            ports = (routers[0].info["grpc_port"], routers[0].info["http_port"])
         return routers
     except BaseException:
         for router in routers:
@@ -59,13 +68,15 @@ def start_routers(count: int, secret: ClusterSecret, worker_address: str, http: 
 
 
 def _router_main(conn, secret: ClusterSecret, worker_address: str, http: bool,
-                 profile: bool) -> None:
+                 profile: bool, ports: tuple[int, int]) -> None:
+    import uvloop
+
     logging.basicConfig(level=logging.WARNING)
-    asyncio.run(_serve_router(conn, secret, worker_address, http, profile))
+    uvloop.run(_serve_router(conn, secret, worker_address, http, profile, ports))
 
 
 async def _serve_router(conn, secret: ClusterSecret, worker_address: str, http: bool,
-                        profile: bool) -> None:
+                        profile: bool, ports: tuple[int, int]) -> None:
     from pdserve.router.config import RouterConfig
     from pdserve.router.metrics import RouterMetrics
     from pdserve.router.openai.app import OpenAIApp
@@ -78,17 +89,18 @@ async def _serve_router(conn, secret: ClusterSecret, worker_address: str, http: 
     router = Router(model, RouterConfig(colocated=True, max_inflight_requests=1024),
                     RouterMetrics(), secret=secret)
     await router.add_worker("decode-0", "decode", worker_address)
-    server = RouterServer(router, "127.0.0.1", 0)
+    server = RouterServer(router, "127.0.0.1", ports[0])
     await router.wait_ready(timeout=60)
     await server.start()
     front = None
     if http:
-        front = HTTPServer(OpenAIApp(router, server.can_serve).app, "127.0.0.1", 0)
+        front = HTTPServer(OpenAIApp(router, server.can_serve).app, "127.0.0.1", ports[1])
         await front.start()
     profiler = cProfile.Profile() if profile else None
     if profiler is not None:
         profiler.enable()
     conn.send_bytes(json.dumps({"pid": os.getpid(), "grpc": server.address,
+                                "grpc_port": server.port, "http_port": front and front.port,
                                 "http": front.url if front else None}).encode())
     await asyncio.to_thread(conn.recv_bytes)  # "stop"
     text = io.StringIO()
@@ -109,10 +121,12 @@ class Recorder:
     def __init__(self) -> None:
         self.recv_times: list[float] = []
         self.token_index: list[int] = []
+        self.messages = 0  # messages (gRPC) or events (SSE) that carried tokens
         self.outcomes: Counter[str] = Counter()  # "<tokens> <finish_reason>" -> requests
         self.errors: Counter[str] = Counter()
 
     def tokens(self, now: float, indexes: list[int]) -> None:
+        self.messages += bool(indexes)
         self.recv_times.extend([now] * len(indexes))
         self.token_index.extend(indexes)
 
@@ -129,13 +143,23 @@ class Load:
     duration_s: float
 
 
-async def grpc_load(load: Load, addresses: list[str], index: dict[int, int],
-                    rec: Recorder) -> None:
+STREAMS_PER_CONNECTION = 4  # the gRPC client's streams share connections, this many each
+# a fixed 16 KiB HTTP/2 window per stream: with BDP probing a client slower than the router
+# lets its window grow to megabytes and buffers seconds of tokens in it, so the router never
+# sees that the client fell behind (and this 2-core machine's client is slower than the router)
+CLIENT_WINDOW = [("grpc.http2.lookahead_bytes", 16384), ("grpc.http2.bdp_probe", 0)]
+
+
+async def grpc_load(load: Load, address: str, index: dict[int, int], rec: Recorder) -> None:
     import grpc
 
     from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
-    channels = [grpc.aio.insecure_channel(a) for a in addresses]
+    # a connection of its own per channel (no shared subchannel): the kernel spreads
+    # connections, not streams, over router processes
+    options = [("grpc.use_local_subchannel_pool", 1), *CLIENT_WINDOW]
+    channels = [grpc.aio.insecure_channel(address, options=options)
+                for _ in range(-(-load.streams // STREAMS_PER_CONNECTION))]
     stubs = [pdserve_pb2_grpc.InferenceStub(c) for c in channels]
     sampling = pdserve_pb2.SamplingParams(max_tokens=load.max_tokens, temperature=0,
                                           ignore_eos=True)
@@ -163,7 +187,7 @@ async def grpc_load(load: Load, addresses: list[str], index: dict[int, int],
             await channel.close()
 
 
-async def http_load(load: Load, urls: list[str], words: dict[str, int], rec: Recorder) -> None:
+async def http_load(load: Load, url: str, words: dict[str, int], rec: Recorder) -> None:
     import httpx
 
     body = {"prompt": list(load.prompt), "max_tokens": load.max_tokens, "temperature": 0,
@@ -195,7 +219,7 @@ async def http_load(load: Load, urls: list[str], words: dict[str, int], rec: Rec
     async def stream(client: httpx.AsyncClient, i: int) -> None:
         while time.monotonic() < end:
             try:
-                await request(client, urls[i % len(urls)])
+                await request(client, url)
             except httpx.HTTPError as exc:
                 rec.errors[f"{type(exc).__name__}: {exc}"[:100]] += 1
 
@@ -213,10 +237,10 @@ def run_phase(load: Load, routers: list[Child], worker: Child, vocab: StepTokens
     rec = Recorder()
     pids = {"router": [r.pid for r in routers], "worker": [worker.pid], "client": [os.getpid()]}
     start, cpu = time.monotonic(), {k: _cpu(v) for k, v in pids.items()}
-    if load.front == "grpc":
-        run = grpc_load(load, [r.info["grpc"] for r in routers], vocab.by_id, rec)
+    if load.front == "grpc":  # every router serves the same ports
+        run = grpc_load(load, routers[0].info["grpc"], vocab.by_id, rec)
     else:
-        run = http_load(load, [r.info["http"] for r in routers], vocab.by_word, rec)
+        run = http_load(load, routers[0].info["http"], vocab.by_word, rec)
     asyncio.run(run)
     wall = time.monotonic() - start
     cpu = {k: (_cpu(v) - cpu[k]) / wall for k, v in pids.items()}  # 1.0: one core
@@ -229,6 +253,7 @@ def run_phase(load: Load, routers: list[Child], worker: Child, vocab: StepTokens
         "front": load.front, "streams": load.streams, "tokens": len(recv),
         "tok_s": np.count_nonzero(recv <= start + load.duration_s) / load.duration_s,
         "offered_tok_s": load.streams * 1000 / step_ms,
+        "tokens_per_message": len(recv) / max(rec.messages, 1),
         "router_us_per_token": 1e6 * cpu["router"] * wall / max(len(recv), 1),
         "router_cpu": cpu["router"], "worker_cpu": cpu["worker"], "client_cpu": cpu["client"],
         "p50_ms": float(p50), "p99_ms": float(p99), "wall_s": wall,
@@ -238,7 +263,8 @@ def run_phase(load: Load, routers: list[Child], worker: Child, vocab: StepTokens
     }
 
 
-COLUMNS = ("front", "streams", "tok_s", "offered_tok_s", "router_us_per_token", "router_cpu",
+COLUMNS = ("routers", "front", "streams", "tok_s", "offered_tok_s", "tokens_per_message",
+           "router_us_per_token", "router_cpu",
            "client_cpu", "worker_cpu", "p50_ms", "p99_ms", "requests", "outcomes", "errors",
            "threads", "router_rss_mb")
 
@@ -256,12 +282,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--step-ms", type=float, default=5.0, help="the synthetic engine step")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of load per phase")
+    p.add_argument("--router-processes", default="1",
+                   help="comma list of router process counts, e.g. 1,2,4")
     p.add_argument("--profile", action="store_true", help="run the router under cProfile")
     args = p.parse_args(argv)
     args.fronts = args.fronts.split(",")
     args.streams = [int(n) for n in args.streams.split(",")]
-    if not set(args.fronts) <= {"grpc", "http"} or min(args.streams) < 1:
-        p.error("--fronts takes grpc and/or http; --streams positive integers")
+    args.router_processes = [int(n) for n in args.router_processes.split(",")]
+    if not set(args.fronts) <= {"grpc", "http"} or min(args.streams + args.router_processes) < 1:
+        p.error("--fronts takes grpc and/or http; --streams and --router-processes positive "
+                "integers")
     return args
 
 
@@ -272,22 +302,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
     prompt = tuple(vocab.token_ids[:args.prompt_len])
     secret = ClusterSecret.generate()
     worker = start_worker(secret, vocab.token_ids, args.step_ms)
-    routers: list[Child] = []
     results: list[dict] = []
+    answers: list = []
+    print(f"synthetic step {args.step_ms:g} ms; max_tokens {args.max_tokens}; "
+          f"{args.duration:g} s per phase; {os.cpu_count()} cores; "
+          f"profile {'on' if args.profile else 'off'}")
+    print("  ".join(COLUMNS))
     try:
-        routers = start_routers(1, secret, worker.info["address"], "http" in args.fronts,
-                                args.profile)
-        print(f"router processes: {len(routers)}; synthetic step {args.step_ms:g} ms; "
-              f"max_tokens {args.max_tokens}; {args.duration:g} s per phase; "
-              f"{os.cpu_count()} cores; profile {'on' if args.profile else 'off'}")
-        print("  ".join(COLUMNS))
-        for front in args.fronts:
-            for streams in args.streams:
-                load = Load(front, streams, args.max_tokens, prompt, args.duration)
-                results.append(run_phase(load, routers, worker, vocab, args.step_ms))
-                print(_row(results[-1]), flush=True)
+        for count in args.router_processes:
+            routers = start_routers(count, secret, worker.info["address"],
+                                    "http" in args.fronts, args.profile)
+            try:
+                for front in args.fronts:
+                    for streams in args.streams:
+                        load = Load(front, streams, args.max_tokens, prompt, args.duration)
+                        results.append({"routers": count, **run_phase(
+                            load, routers, worker, vocab, args.step_ms)})
+                        print(_row(results[-1]), flush=True)
+            finally:
+                answers += [r.stop() for r in routers]
     finally:
-        answers = [r.stop() for r in routers]
         worker.stop()
     for answer in answers:
         if answer and answer.get("profile"):

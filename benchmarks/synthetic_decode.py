@@ -4,16 +4,20 @@ A real, cluster-authenticated gRPC `DecodeWorker` server (pdserve.worker_grpc.wo
 whose "engine" is a clock: every `step_ms` it emits one StepOutputs carrying one new token for
 every running request (finish_reason "length" at max_tokens), as a real decode worker does per
 engine step. Reserve / Submit grant at once, GetLoad reports plenty of free blocks, and an idle
-`Outputs` stream sends its keepalive every KEEPALIVE_S. Every open `Outputs` stream receives
-every step (a router ignores deltas of requests it does not know), so several routers can
-subscribe; per-router subscriptions are issue 17's to build.
+`Outputs` stream sends its keepalive every KEEPALIVE_S. As on a real decode worker, a request's
+tokens go only to its owner's `Outputs` stream (the router_id of its Reserve / Submit, and of
+the Outputs request), so several routers can share the worker; a newer stream of one router
+ends its older one. A step with no news for a router sends that router nothing, and steps a
+router has not read yet go out merged into one message (decode_worker.coalesce), as a real
+worker's do.
 
 Emit times travel out of band. Step s carries the token `token_ids[s % len(token_ids)]`, a
 word token (" the", " of", ...), so a client can tell from a token id (gRPC) or from a word of
 the text (HTTP) which step produced it; the worker records `time.monotonic()` for each step as
-it hands the message to its gRPC stream (CLOCK_MONOTONIC is one clock for every process on a
-Linux machine), and `StepTokens.added_latency` turns (receive time, token index) pairs into
-receive - emit. The clock never bursts to catch up: a late step is just late.
+its clock makes it (CLOCK_MONOTONIC is one clock for every process on a Linux machine; a
+router that falls behind shows as added latency), and `StepTokens.added_latency` turns
+(receive time, token index) pairs into receive - emit. The clock never bursts to catch up:
+a late step is just late.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from pdserve.cluster_secret import ClusterSecret
+from pdserve.decode_worker.coalesce import coalesce
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.worker_grpc import bind, worker_server
 
@@ -73,28 +78,31 @@ class SyntheticDecode(worker_pb2_grpc.DecodeWorkerServicer):
         self.token_ids, self.step_s, self.worker_id = list(token_ids), step_s, worker_id
         self.step_times: list[float] = []  # monotonic emit time of step s, s = index
         self._running: dict[str, int] = {}  # request id -> tokens still to emit
+        self._owners: dict[str, str] = {}  # request id -> router id
         self._lock = threading.Lock()
-        self._subscribers: set[queue.SimpleQueue] = set()
+        self._subscribers: dict[str, queue.SimpleQueue] = {}  # router id -> its stream's steps
 
     def Reserve(self, request, context):
-        self._add(request.request_id, request.sampling)
+        self._add(request.request_id, request.sampling, request.router_id)
         return worker_pb2.ReserveResponse(granted=True, descriptor=b"{}")
 
     def Start(self, request, context):
         return worker_pb2.StartResponse()
 
     def Submit(self, request, context):
-        self._add(request.request_id, request.sampling)
+        self._add(request.request_id, request.sampling, request.router_id)
         return worker_pb2.SubmitResponse(granted=True)
 
-    def _add(self, request_id: str, sampling) -> None:
+    def _add(self, request_id: str, sampling, router_id: str) -> None:
         max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else 16
         with self._lock:
             self._running[request_id] = max(max_tokens, 1)
+            self._owners[request_id] = router_id
 
     def Abort(self, request, context):
         with self._lock:
             found = self._running.pop(request.request_id, None) is not None
+            self._owners.pop(request.request_id, None)
         return worker_pb2.WorkerAbortResponse(found=found)
 
     def GetLoad(self, request, context):
@@ -103,17 +111,29 @@ class SyntheticDecode(worker_pb2_grpc.DecodeWorkerServicer):
             num_running=len(self._running), max_num_seqs=MANY, block_size=16, tp_size=1)
 
     def Outputs(self, request, context):
-        steps: queue.SimpleQueue = queue.SimpleQueue()
-        self._subscribers.add(steps)
+        steps: queue.SimpleQueue = queue.SimpleQueue()  # a None ends the stream (replaced)
+        router_id = request.router_id
+        with self._lock:
+            old = self._subscribers.get(router_id)
+            if old is not None:
+                old.put(None)
+            self._subscribers[router_id] = steps
         try:
             yield worker_pb2.StepOutputs()  # the router puts the worker in rotation after it
             while context.is_active():
                 try:
-                    yield steps.get(timeout=KEEPALIVE_S)
+                    waiting = [steps.get(timeout=KEEPALIVE_S)]
                 except queue.Empty:
-                    yield worker_pb2.StepOutputs()
+                    waiting = [worker_pb2.StepOutputs()]
+                while waiting[-1] is not None and not steps.empty():
+                    waiting.append(steps.get())  # fell behind: merged, as a real worker does
+                if waiting[-1] is None:
+                    return
+                yield coalesce(waiting)
         finally:
-            self._subscribers.discard(steps)
+            with self._lock:
+                if self._subscribers.get(router_id) is steps:
+                    del self._subscribers[router_id]
 
     def run(self, stop: threading.Event) -> None:
         """The engine loop: one step every step_s while anything runs."""
@@ -132,19 +152,21 @@ class SyntheticDecode(worker_pb2_grpc.DecodeWorkerServicer):
             if not self._running:
                 return
             token = self.token_ids[len(self.step_times) % len(self.token_ids)]
-            deltas = []
+            by_router: dict[str, list[worker_pb2.RequestDelta]] = {}
             for rid, left in list(self._running.items()):
                 done = left == 1
-                deltas.append(worker_pb2.RequestDelta(
+                by_router.setdefault(self._owners[rid], []).append(worker_pb2.RequestDelta(
                     request_id=rid, token_ids=[token], finish_reason="length" if done else ""))
                 if done:
-                    del self._running[rid]
+                    del self._running[rid], self._owners[rid]
                 else:
                     self._running[rid] = left - 1
-            message = worker_pb2.StepOutputs(deltas=deltas)
+            sends = [(self._subscribers.get(router_id), worker_pb2.StepOutputs(deltas=deltas))
+                     for router_id, deltas in by_router.items()]
             self.step_times.append(time.monotonic())
-        for steps in list(self._subscribers):
-            steps.put(message)
+        for steps, message in sends:
+            if steps is not None:  # its owner has no stream now: dropped, as a real worker does
+                steps.put(message)
 
 
 def serve(conn: Connection, secret: ClusterSecret, token_ids: list[int], step_ms: float) -> None:

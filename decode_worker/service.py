@@ -1,10 +1,15 @@
 """The decode worker's gRPC service (proto/worker.proto `DecodeWorker`), served by TP rank 0.
 
-`Outputs` is one long-lived stream per router: each message is one engine step's news for
-every request, so a batch of 64 costs one message per step, not 64. With no step news for
-KEEPALIVE_S it sends an empty message, but only while the engine loop is alive and came round
-within `stall_timeout_s`: a wedged loop goes silent (the router ends such a stream after its
-own silence limit) and a dead one ends the stream, UNAVAILABLE, after its last error deltas.
+`Outputs` is one long-lived stream per router (its subscription, by `router_id`; several
+routers share a worker): each message is one engine step's news for every request of that
+router, so a batch of 64 costs one message per step, not 64; steps a slow router has not read
+yet go out merged into one message (decode_worker.coalesce). The router_id a Reserve or Submit
+carries owns the request; decode_worker.subscriptions sorts the steps and aborts the requests
+of a router that has had no stream for `orphan_after_s`. With no step news for KEEPALIVE_S a
+stream sends an empty message, but only while the engine loop is alive and came round within
+`stall_timeout_s`: a wedged loop goes silent (the router ends such a stream after its own
+silence limit) and a dead one ends every stream, UNAVAILABLE, after its last error deltas. A
+newer stream of the same router ends the older one, ABORTED.
 
 Every RPC needs the cluster secret (pdserve.worker_grpc), and a client certificate too when
 `tls` is given (worker-plane mutual TLS; the spec's `tls()`). Status codes the router acts on:
@@ -20,7 +25,15 @@ import time
 import grpc
 
 from pdserve.cluster_secret import ClusterSecret
+from pdserve.decode_worker.coalesce import coalesce
 from pdserve.decode_worker.outputs import DecodeOutput
+from pdserve.decode_worker.subscriptions import (
+    ORPHAN_AFTER_S,
+    End,
+    OutputFanout,
+    Subscription,
+    check_router_id,
+)
 from pdserve.decode_worker.worker import DecodeWorker, ReservationNotFound
 from pdserve.engine.wire import logprobs_from_proto, logprobs_to_proto, sampling_from_proto
 from pdserve.kvtransfer.descriptor import Endpoint
@@ -48,12 +61,14 @@ def delta_to_proto(out: DecodeOutput) -> worker_pb2.RequestDelta:
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker, worker_id: str,
-                 stall_timeout_s: float = STALL_TIMEOUT_S) -> None:
+                 stall_timeout_s: float = STALL_TIMEOUT_S,
+                 orphan_after_s: float = ORPHAN_AFTER_S) -> None:
         self.worker, self.worker_id = worker, worker_id
         self.stall_timeout_s = stall_timeout_s
+        self.fanout = OutputFanout(worker, worker_id, orphan_after_s)
 
     def Reserve(self, request, context):
-        descriptor = self._checked(context, lambda: self.worker.reserve(
+        descriptor = self._owned(context, request, lambda: self.worker.reserve(
             request.request_id, list(request.prompt_token_ids),
             sampling_from_proto(request.sampling, default_max_tokens=1),
             [Endpoint(s.host, s.port, s.rank) for s in request.sources], request.deadline,
@@ -69,28 +84,59 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.StartResponse()
 
     def Submit(self, request, context):
-        granted = self._checked(context, lambda: self.worker.submit(
+        granted = self._owned(context, request, lambda: self.worker.submit(
             request.request_id, list(request.prompt_token_ids),
             sampling_from_proto(request.sampling, default_max_tokens=1),
         ))
         return worker_pb2.SubmitResponse(granted=granted)
 
+    def _owned(self, context, request, call):
+        """Reserve / Submit's `call` with the request's owner recorded first (its first delta
+        may come before the call returns); forgotten again when nothing was queued."""
+        router_id = self._checked(context, lambda: check_router_id(request.router_id))
+        claimed = self.fanout.claim(request.request_id, router_id)
+        accepted = None
+        try:
+            accepted = self._checked(context, call)
+            return accepted
+        finally:
+            if claimed and (accepted is None or accepted is False):  # refused or raised
+                self.fanout.release(request.request_id)
+
     def Outputs(self, request, context):
-        context.send_initial_metadata(())  # the reader knows it is connected before any step
+        router_id = self._checked(context, lambda: check_router_id(request.router_id))
+        subscription = self.fanout.subscribe(router_id)
+        context.send_initial_metadata(())  # the reader knows it is subscribed before any step
+        # the stream may end without this generator being resumed: the lease starts either way
+        context.add_callback(lambda: self.fanout.unsubscribe(subscription))
+        try:
+            yield from self._stream(subscription, context)
+        finally:
+            self.fanout.unsubscribe(subscription)
+
+    def _stream(self, subscription: Subscription, context):
         last_sent, stalled = time.monotonic(), False
         while context.is_active():
-            batch = self.worker.next_outputs(timeout=POLL_S)
-            if batch:
-                yield worker_pb2.StepOutputs(deltas=[delta_to_proto(out) for out in batch])
+            batches = subscription.next(POLL_S)
+            if isinstance(batches, End):
+                self._end(subscription, batches, context)
+            if batches:
+                yield coalesce([worker_pb2.StepOutputs(deltas=[delta_to_proto(out) for out in b])
+                                for b in batches])
                 last_sent = time.monotonic()
-            elif not self.worker.is_alive():  # its last error deltas have gone out
-                context.abort(grpc.StatusCode.UNAVAILABLE,
-                              f"decode worker {self.worker_id}: engine loop has stopped")
-            elif time.monotonic() - last_sent >= KEEPALIVE_S:
+            elif time.monotonic() - last_sent >= KEEPALIVE_S and self.worker.is_alive():
                 stalled = self._stalled(stalled)
                 if not stalled:
                     yield worker_pb2.StepOutputs()
                     last_sent = time.monotonic()
+
+    def _end(self, subscription: Subscription, end: End, context) -> None:
+        if end.replaced:
+            context.abort(grpc.StatusCode.ABORTED,
+                          f"decode worker {self.worker_id}: a newer Outputs stream of router "
+                          f"{subscription.router_id!r} replaced this one")
+        context.abort(grpc.StatusCode.UNAVAILABLE,  # after its last error deltas went out
+                      f"decode worker {self.worker_id}: engine loop has stopped")
 
     def _stalled(self, was_stalled: bool) -> bool:
         """Whether the loop is wedged (no iteration within stall_timeout_s); logs the change."""
@@ -137,13 +183,13 @@ class DecodeService:
 
     def __init__(self, worker: DecodeWorker, worker_id: str, host: str,
                  secret: ClusterSecret, stall_timeout_s: float = STALL_TIMEOUT_S,
-                 tls: TLSFiles | None = None) -> None:
+                 tls: TLSFiles | None = None, orphan_after_s: float = ORPHAN_AFTER_S) -> None:
         self.worker = worker
         self.server = worker_server(secret, MAX_RPC_THREADS, "decode-rpc")
         self.port = bind(self.server, host, tls)
         self.address = f"{host}:{self.port}"
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
-            DecodeServicer(worker, worker_id, stall_timeout_s), self.server
+            DecodeServicer(worker, worker_id, stall_timeout_s, orphan_after_s), self.server
         )
         self.server.start()
         logger.info("decode worker %s serving on %s", worker_id, self.address)

@@ -6,15 +6,19 @@ decoder drops the leading space of the first token it sees, so the context token
 place). The text the new tokens add is the window's text minus the context's text. While the
 window ends in U+FFFD (half a UTF-8 character) nothing is released; the last
 (longest stop string - 1) characters are held back so a stop string spanning tokens is caught.
-No torch here: the router detokenizes.
+No torch here: the router detokenizes. With a transformers fast tokenizer the windows go straight
+to its Rust `tokenizers.Tokenizer` (`native_decode`): the same text as `tokenizer.decode`, at a
+fifth of the cost, which matters at one call per streamed message.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
+
+import tokenizers
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +31,32 @@ class Tokenizer(Protocol):
     """What we need of a tokenizer: HF `PreTrainedTokenizerBase` and `tokenizers.Tokenizer` fit."""
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+def native_decode(tokenizer: Any) -> Callable[[list[int], bool], str]:
+    """`decode(ids, skip_special_tokens)` equal to `tokenizer.decode`, in native code when it can.
+
+    A transformers fast tokenizer's `decode` is its Rust backend's plus Python argument
+    handling, and a clean-up pass only when `clean_up_tokenization_spaces` is set (ignored
+    for BPE models unless forced): then the backend alone gives the same text. Anything else
+    (a slow tokenizer, the clean-up on) keeps the tokenizer's own `decode`.
+    """
+    backend = tokenizer if isinstance(tokenizer, tokenizers.Tokenizer) else None
+    wrapped = getattr(tokenizer, "_tokenizer", None)
+    if isinstance(wrapped, tokenizers.Tokenizer) and not _cleans_up(tokenizer):
+        backend = wrapped
+    if backend is None:
+        return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
+    return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+
+
+def _cleans_up(tokenizer: Any) -> bool:
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    forced = getattr(tokenizer,
+                     "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
+                     False)
+    return forced or type(tokenizer.backend_tokenizer.model).__name__ != "BPE"
 
 
 @dataclass(frozen=True)
@@ -57,7 +87,7 @@ class IncrementalDetokenizer:
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be non-empty strings, got {stop!r}")
-        self._tokenizer = tokenizer
+        self._decode_fn = native_decode(tokenizer)
         self._skip_special_tokens = skip_special_tokens
         self._stop = stop
         self._num_held_chars = max((len(s) for s in stop), default=1) - 1
@@ -165,4 +195,4 @@ class IncrementalDetokenizer:
         return best_at, best
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+        return self._decode_fn(token_ids, self._skip_special_tokens)

@@ -98,6 +98,8 @@ async def _up(settings: ServeSettings) -> int:
         await service.start()
         tls = " (grpcs: TLS)" if service.tls else ""
         http = f", OpenAI API: {service.http_url}/v1" if service.http_url else ""
+        if service.router_processes is not None:
+            http += f", {len(service.router_processes.slots) + 1} router processes"
         print(f"pdserve is serving {settings.model} on {service.address}{tls}{http} "
               f"(metrics: http://{settings.host}:{service.metrics_port}/metrics); "
               "Ctrl-C stops it", flush=True)

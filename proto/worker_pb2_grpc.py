@@ -251,7 +251,8 @@ class DecodeWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Outputs(self, request, context):
-        """Every request's news, one message per engine step. The router keeps one open per worker.
+        """A router's requests' news, one message per engine step. Each router keeps one open per
+        worker (OutputsRequest.router_id).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,12 +1,15 @@
 """DecodeClient: the router's client of one decode worker, and the reader of its output stream.
 
-One task reads the worker's `Outputs` stream and sorts each step's deltas into per-request
-queues; a queue lives from `open` (before the request is reserved or submitted) to
-`close_request` (whatever ended the request), so the table holds only requests in flight.
+One task reads the worker's `Outputs` stream (this router's subscription: the worker sends it
+only the requests this router placed, named by `router_id`) and sorts each step's deltas into
+per-request mailboxes; a mailbox lives from `open` (before the request is reserved or
+submitted) to `close_request` (whatever ended the request), so the table holds only requests
+in flight.
 The stream is the worker's heartbeat: a healthy worker sends at least an empty message every
 second, so `silence_s` without any message means a wedged or stopped worker (or a half-open
 connection). Then, as on a broken stream or any `mark_down`, every queued request ends with
-`Lost` at once, and the reader reconnects; the worker is back in rotation once the new stream
+`Lost` at once, and the reader reconnects (within the worker's grace, or it frees this
+router's requests as orphans); the worker is back in rotation once the new stream
 delivers and a load poll answers.
 """
 
@@ -18,6 +21,7 @@ import grpc
 
 from pdserve.cluster_secret import ClusterSecret
 from pdserve.proto import worker_pb2, worker_pb2_grpc
+from pdserve.router.mailbox import Mailbox
 from pdserve.router.workers import (
     LOAD_TIMEOUT_S,
     OUTPUTS_SILENCE_S,
@@ -32,13 +36,14 @@ from pdserve.tls import TLSFiles
 class DecodeClient(WorkerClient):
     def __init__(self, worker_id: str, address: str, secret: ClusterSecret,
                  rpc_timeout_s: float = RPC_TIMEOUT_S,
-                 silence_s: float = OUTPUTS_SILENCE_S, tls: TLSFiles | None = None) -> None:
+                 silence_s: float = OUTPUTS_SILENCE_S, tls: TLSFiles | None = None,
+                 router_id: str = "") -> None:
         super().__init__(worker_id, "decode", address, secret, rpc_timeout_s, tls)
         if silence_s <= 0:
             raise ValueError(f"silence_s must be > 0 (seconds), got {silence_s}")
-        self.silence_s = silence_s
+        self.silence_s, self.router_id = silence_s, router_id
         self._stub = worker_pb2_grpc.DecodeWorkerStub(self.channel)
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._mailboxes: dict[str, Mailbox] = {}
         self._streaming = False  # the current Outputs stream has delivered a message
         self._sent = (0, 0)  # (blocks, requests) the router has sent here, ever
         self._sent_before_load = (0, 0)  # ... before it asked for the load it holds
@@ -55,16 +60,15 @@ class DecodeClient(WorkerClient):
     @property
     def num_open(self) -> int:
         """Requests with an output queue here (in flight on this worker)."""
-        return len(self._queues)
+        return len(self._mailboxes)
 
-    def open(self, request_id: str) -> asyncio.Queue:
-        """The queue this request's deltas arrive on; open it before reserving or submitting."""
-        q: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = q
-        return q
+    def open(self, request_id: str) -> Mailbox:
+        """The mailbox this request's deltas arrive in; open it before reserving or submitting."""
+        mailbox = self._mailboxes[request_id] = Mailbox()
+        return mailbox
 
     def close_request(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
+        self._mailboxes.pop(request_id, None)
 
     def mark_down(self, reason: str) -> None:
         """Out of rotation, and every request waiting on this worker ends (WorkerLost)."""
@@ -72,12 +76,14 @@ class DecodeClient(WorkerClient):
         self._fail_all(reason)
 
     async def reserve(self, request: worker_pb2.ReserveRequest) -> worker_pb2.ReserveResponse:
+        request.router_id = self.router_id  # its deltas come to this router's subscription
         return await self._call(self._stub.Reserve, request)
 
     async def start_request(self, request: worker_pb2.StartRequest) -> None:
         await self._call(self._stub.Start, request)
 
     async def submit(self, request: worker_pb2.SubmitRequest) -> bool:
+        request.router_id = self.router_id
         return (await self._call(self._stub.Submit, request)).granted
 
     async def abort(self, request_id: str) -> bool:
@@ -110,7 +116,8 @@ class DecodeClient(WorkerClient):
 
     async def _read_outputs(self) -> None:
         while True:
-            call = self._stub.Outputs(worker_pb2.OutputsRequest(), metadata=self.metadata)
+            call = self._stub.Outputs(worker_pb2.OutputsRequest(router_id=self.router_id),
+                                      metadata=self.metadata)
             try:
                 reason = await self._pump(call)
             except grpc.aio.AioRpcError as exc:
@@ -132,12 +139,13 @@ class DecodeClient(WorkerClient):
             if step is grpc.aio.EOF:
                 return "output stream ended"
             self._streaming = True
+            mailboxes = self._mailboxes
             for delta in step.deltas:
-                q = self._queues.get(delta.request_id)
-                if q is not None:
-                    q.put_nowait(delta)
+                mailbox = mailboxes.get(delta.request_id)
+                if mailbox is not None:
+                    mailbox.put(delta)
 
     def _fail_all(self, reason: str) -> None:
-        for q in self._queues.values():
-            q.put_nowait(Lost(f"decode worker {self.worker_id} lost: {reason}"))
-        self._queues.clear()
+        for mailbox in self._mailboxes.values():
+            mailbox.put(Lost(f"decode worker {self.worker_id} lost: {reason}"))
+        self._mailboxes.clear()

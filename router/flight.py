@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from pdserve.proto import worker_pb2
 from pdserve.router.decode_client import DecodeClient
+from pdserve.router.mailbox import Mailbox
 from pdserve.router.workers import PrefillClient
 
 ID_PREFIX_CHARS = 64  # of the client's request_id, kept in worker ids for the logs
@@ -44,10 +45,10 @@ class Flight:
 
 @dataclass
 class Placement:
-    """Where a request runs: its decode worker, that worker's output queue for it, and the
+    """Where a request runs: its decode worker, that worker's mailbox for it, and the
     prefill worker's answer (None: prefilled on the decode worker)."""
 
     decode: DecodeClient
-    queue: asyncio.Queue
+    mailbox: Mailbox
     prefill: worker_pb2.PrefillResponse | None = None
     session_hit: int = 0

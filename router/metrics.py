@@ -1,19 +1,25 @@
 """Prometheus metrics of one router, in a registry of its own (several routers may share a
-process in tests without their series clashing)."""
+process in tests without their series clashing).
+
+With several router processes (`--router-processes`), the service process's router adds the
+others' expositions as sources (`add_source`): its `render()` and /metrics then show the whole
+service (summed as pdserve.router.metrics_merge says), while `registry` stays its own."""
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import start_http_server
 
 from pdserve import defaults
+from pdserve.router.histogram import CountingHistogram
+from pdserve.router.metrics_merge import merge_families, parse
 
 logger = logging.getLogger(__name__)
-
 
 
 def _geometric(low: float, high: float, per_decade: int) -> tuple[float, ...]:
@@ -57,11 +63,15 @@ class RouterMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # what render() and /metrics show: the registry, plus the sources' expositions
+        self._sources: list[Callable[[], Sequence[str]]] = []
+        self.view = CollectorRegistry(auto_describe=True)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
         self._build_latency()
         self._build_counters()
         self._build_gauges()
+        self.view.register(_ServiceView(self))
 
     def _build_latency(self) -> None:
         reg = self.registry
@@ -71,7 +81,7 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=reg,
         )
-        self.itl = Histogram(
+        self.itl = CountingHistogram(  # observed per token: the cheap kind
             "pdserve_inter_token_latency_seconds",
             "Gap between consecutive generated tokens.",
             buckets=ITL_BUCKETS,
@@ -165,12 +175,9 @@ class RouterMetrics:
         clients measure ITL over streamed tokens ((e2e - ttft) / (tokens - 1), as in genai-perf,
         llmperf and vLLM's benchmark), instead of one large gap that overstates it n-fold.
         """
-        _check_non_negative(seconds=seconds)
-        if count < 1:
-            raise ValueError(f"count must be >= 1, got {count}")
-        per_token = seconds / count
-        for _ in range(count):
-            self.itl.observe(per_token)
+        if count < 1 or seconds < 0:
+            raise ValueError(f"count must be >= 1 and seconds >= 0, got {count}, {seconds}")
+        self.itl.observe(seconds / count, count)
 
     def observe_e2e(self, seconds: float) -> None:
         _check_non_negative(seconds=seconds)
@@ -225,16 +232,21 @@ class RouterMetrics:
 
     # -- exposition ---------------------------------------------------------------------------
 
+    def add_source(self, source: Callable[[], Sequence[str]]) -> None:
+        """Merge in other router processes' metrics: `source()` returns their current
+        expositions (Prometheus text), called on every render and scrape (from any thread)."""
+        self._sources.append(source)
+
     def render(self) -> bytes:
-        """The registry in Prometheus text exposition format."""
-        return generate_latest(self.registry)
+        """The registry, merged with the sources', in Prometheus text exposition format."""
+        return generate_latest(self.view)
 
     def start_http(self, host: str = defaults.HOST, port: int = 0) -> int:
         """Serve /metrics on host:port in a daemon thread; port 0 picks a free port.
         Returns the bound port."""
         if self._server is not None:
             raise RuntimeError("metrics HTTP server already started; call stop_http() first")
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.view)
         bound = self._server.server_port
         logger.info("metrics served on http://%s:%d/metrics", host, bound)
         return bound
@@ -248,3 +260,19 @@ class RouterMetrics:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._server, self._thread = None, None
+
+
+class _ServiceView:
+    """A collector: the router's own registry, merged with its sources' expositions."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator:
+        own = self.metrics.registry
+        texts = [text for source in self.metrics._sources for text in source()]
+        if not texts:  # one router process: its registry as it is
+            yield from own.collect()
+            return
+        yield from merge_families(parse(generate_latest(own).decode()),
+                                  [parse(text) for text in texts])

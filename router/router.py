@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 from pdserve.cluster_secret import ClusterSecret
 from pdserve.proto import pdserve_pb2
@@ -35,6 +37,18 @@ from pdserve.tls import TLSFiles
 REUSE_GRACE_S = 1.0
 
 
+class RouterFollower(Protocol):
+    """Another router process over the same workers, told each change of the worker table."""
+
+    num_received: int
+
+    async def add_worker(self, worker_id: str, role: str, address: str) -> None: ...
+
+    def mark_down(self, worker_id: str) -> None: ...
+
+    async def drain(self, worker_id: str, timeout_s: float) -> None: ...
+
+
 class Router:
     def __init__(self, model: ModelContext, config: RouterConfig, metrics: RouterMetrics,
                  store: RedisStore | None = None, *, secret: ClusterSecret,
@@ -44,12 +58,17 @@ class Router:
                              "refuse every RPC without it")
         self.model, self.config, self.metrics, self.store = model, config, metrics, store
         self.secret, self.worker_tls = secret, worker_tls
+        # names this router to the decode workers: each streams it only the requests it placed
+        self.router_id = f"router-{secrets.token_hex(6)}"
         self.admission = Admission(config.max_inflight_requests, config.max_queued_requests)
         self.prefill: dict[str, PrefillClient] = {}
         self.decode: dict[str, DecodeClient] = {}
         self.placer = Placer(config, metrics, store, self.prefill, self.decode)
         self.flights: dict[str, Flight] = {}
         self.num_received = 0  # requests accepted for placement, ever (the planner's rate)
+        # other router processes serving the same workers: this router owns the worker table
+        # and tells them every change (pdserve.launch.router_processes)
+        self.followers: list[RouterFollower] = []
         self._background: set[asyncio.Task] = set()
 
     # ---- workers ----
@@ -61,12 +80,15 @@ class Router:
         timeout = self.config.worker_rpc_timeout_s
         client = PrefillClient(worker_id, address, self.secret, timeout, self.worker_tls) \
             if role == "prefill" else DecodeClient(worker_id, address, self.secret, timeout,
-                                                   self.config.outputs_silence_s, self.worker_tls)
+                                                   self.config.outputs_silence_s, self.worker_tls,
+                                                   self.router_id)
         pool[worker_id] = client
         client.start()
         if old is not None:
             old.mark_down("replaced")
             await old.close()
+        for follower in self.followers:
+            await follower.add_worker(worker_id, role, address)
 
     async def drain(self, worker_id: str, timeout_s: float = 600.0) -> None:
         """Take a worker out of rotation, wait for its in-flight requests, forget it."""
@@ -74,9 +96,11 @@ class Router:
         client = pool[worker_id]
         client.draining = True
         end = time.monotonic() + timeout_s
+        drained = asyncio.gather(*(f.drain(worker_id, timeout_s) for f in self.followers))
         while time.monotonic() < end and any(
                 client in (f.decode, f.prefill) for f in self.flights.values()):
             await asyncio.sleep(0.1)
+        await drained
         del pool[worker_id]
         await client.close()
 
@@ -85,6 +109,13 @@ class Router:
         for client in self.workers():
             if client.worker_id == worker_id:
                 client.mark_down("reported dead by the supervisor")
+        for follower in self.followers:
+            follower.mark_down(worker_id)
+
+    @property
+    def total_received(self) -> int:
+        """Requests accepted for placement, ever, by this router and its followers."""
+        return self.num_received + sum(f.num_received for f in self.followers)
 
     async def wait_ready(self, timeout: float) -> None:
         """Until every registered worker is in rotation; TimeoutError naming those that aren't."""

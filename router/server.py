@@ -16,8 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -48,11 +47,6 @@ REDIS_HEALTH = "pdserve.redis"
 MAINTENANCE_S = 0.5
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-T = TypeVar("T")
-
-
-class ServerDeadline(Exception):
-    """A Generate ran past the server's cap on request time."""
 
 
 class InferenceServicer:
@@ -67,7 +61,7 @@ class InferenceServicer:
     async def Generate(self, request, context):
         received = time.monotonic()
         metrics = self.router.metrics
-        status = "error"
+        status, budget = "error", None
         try:
             if isinstance(request, InvalidArgument):
                 raise request
@@ -77,11 +71,17 @@ class InferenceServicer:
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API token")
             valid = await asyncio.to_thread(validate, request, self.router.model, self.limits,
                                             tenant)
-            stream = self.router.generate(valid, received)
-            async for message in _within(stream, received + self.max_timeout_s):
-                yield message
+            # one deadline for the whole call (not a timer per message)
+            async with asyncio.timeout_at(_loop_time(received + self.max_timeout_s)) as budget:
+                async with contextlib.aclosing(self.router.generate(valid, received)) as stream:
+                    async for message in stream:
+                        if not await _write(context, message):
+                            status = "cancelled"
+                            return
             status = "ok"
-        except ServerDeadline:
+        except TimeoutError:
+            if budget is None or not budget.expired():
+                raise
             status = "deadline"
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"the request ran past the server's limit of "
@@ -134,23 +134,21 @@ class InferenceServicer:
         return stats
 
 
-async def _within(stream: AsyncIterator[T], deadline: float) -> AsyncIterator[T]:
-    """`stream`'s items until `deadline` (time.monotonic), then ServerDeadline; the stream is
-    closed either way, so the router frees whatever the request held."""
+async def _write(context, message) -> bool:
+    """Send one message; False when the call already ended (the client went away)."""
     try:
-        while True:
-            try:
-                async with asyncio.timeout(deadline - time.monotonic()) as budget:
-                    item = await anext(stream)
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
-                if budget.expired():
-                    raise ServerDeadline from None
-                raise
-            yield item
-    finally:
-        await stream.aclose()
+        await context.write(message)
+        return True
+    except Exception:  # grpc's ExecuteBatchError: no call left to write to
+        if context.cancelled() or context.done():
+            return False
+        raise
+
+
+def _loop_time(monotonic: float) -> float:
+    """A time.monotonic() instant on the running loop's clock."""
+    loop = asyncio.get_running_loop()
+    return loop.time() + (monotonic - time.monotonic())
 
 
 def _parse_abort(data: bytes):

@@ -1,13 +1,14 @@
 """ResponseStream: one request's decode-worker deltas turned into GenerateResponse messages.
 
 Detokenizes incrementally, cuts at stop strings, and records TTFT / ITL / end-to-end latency.
+Each message carries every token that reached the request's mailbox since the previous one:
+one step's when the reader keeps up, several merged when it does not (see Mailbox).
 With a remote prefill the first token is sent as soon as the prefill worker returns it (that
 is the TTFT), and dropped from the decode worker's first delta, which repeats it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -36,40 +37,40 @@ class ResponseStream:
         self.last_at = received
 
     async def run(self, flight: Flight) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
-        prefill = self.placement.prefill
+        prefill, want_logprobs = self.placement.prefill, self.req.params.logprobs is not None
         skip = 0
         if prefill is not None:  # the first token is known now: send it
             skip = 1
-            logprobs = [prefill.logprob] if prefill.HasField("logprob") else []
+            logprobs = [prefill.logprob] if want_logprobs and prefill.HasField("logprob") else []
             message, stop = self._message([prefill.first_token_id], logprobs)
             if stop is not None:
                 yield self._finish(message, "stop", stop)
                 return
             yield message
-        queue: asyncio.Queue = self.placement.queue
+        mailbox = self.placement.mailbox
         while True:
-            delta = await queue.get()
-            if isinstance(delta, Lost):
-                raise WorkerLost(delta.reason)
-            if delta.finish_reason == "error":
-                flight.done = True  # the worker has freed it already
-                raise WorkerFailed(delta.error or "decode worker failed the request")
-            token_ids, logprobs = list(delta.token_ids)[skip:], list(delta.logprobs)[skip:]
+            # everything that arrived since the last message goes out as one (see Mailbox)
+            items = await mailbox.take()
+            token_ids, logprobs, end = _gather(items, skip, want_logprobs)
             skip = 0
-            if delta.finish_reason:
-                flight.done = True
             message, stop = self._message(token_ids, logprobs)
-            if stop is not None:  # the worker is still generating: the caller frees it
-                flight.done = False
-                yield self._finish(message, "stop", stop, delta.num_cached_tokens)
+            finished = not (end is None or isinstance(end, Lost) or end.finish_reason == "error")
+            cached = getattr(end if end is not None else items[-1], "num_cached_tokens", 0)
+            if stop is not None:  # if the worker is still generating, the caller frees it
+                yield self._finish(message, "stop", stop, cached)
                 return
-            if delta.finish_reason:
+            if finished:
+                flight.done = True  # the worker has freed it already
                 message.text += self.detok.flush()
-                yield self._finish(message, delta.finish_reason, delta.stop_reason,
-                                   delta.num_cached_tokens)
+                yield self._finish(message, end.finish_reason, end.stop_reason, cached)
                 return
             if message.token_ids or message.text:
-                yield message
+                yield message  # before a failure too: what came first still reaches the client
+            if isinstance(end, Lost):
+                raise WorkerLost(end.reason)
+            if end is not None:
+                flight.done = True  # the worker has freed it already
+                raise WorkerFailed(end.error or "decode worker failed the request")
 
     def _message(self, token_ids: list[int],
                  logprobs: list) -> tuple[pdserve_pb2.GenerateResponse, str | None]:
@@ -86,10 +87,8 @@ class ResponseStream:
             self.last_at = now
         self.token_ids += token_ids
         update = self.detok.update(token_ids)
-        message = pdserve_pb2.GenerateResponse(
-            request_id=self.req.request_id, text=update.delta, token_ids=token_ids,
-            logprobs=logprobs if self.req.params.logprobs is not None else [],
-        )
+        message = pdserve_pb2.GenerateResponse(request_id=self.req.request_id, text=update.delta,
+                                               token_ids=token_ids, logprobs=logprobs)
         return message, update.stop_string
 
     def _finish(self, message: pdserve_pb2.GenerateResponse, reason: str,
@@ -108,3 +107,20 @@ class ResponseStream:
         self.metrics.observe_e2e(now - self.received)
         self.metrics.count_tokens(num_prompt, len(self.token_ids), cached)
         return message
+
+
+def _gather(items: list, skip: int, want_logprobs: bool) -> tuple[list[int], list, Any]:
+    """The tokens (and logprobs) of a run of mailbox items, the first `skip` dropped, and the
+    item that ends the request (a finish, an error delta or Lost), if one came."""
+    token_ids: list[int] = []
+    logprobs: list = []
+    for item in items:
+        if isinstance(item, Lost) or item.finish_reason == "error":
+            return token_ids, logprobs, item
+        token_ids += item.token_ids[skip:]
+        if want_logprobs:
+            logprobs += item.logprobs[skip:]
+        skip = 0
+        if item.finish_reason:
+            return token_ids, logprobs, item
+    return token_ids, logprobs, None

@@ -37,12 +37,18 @@ RPC_TIMEOUT_S = 10.0  # Reserve / Start / Submit: generous, a saturated CPU answ
 OUTPUTS_SILENCE_S = 10.0
 RECONNECT_S = 0.5
 # 64 MiB both ways (a prompt near the public 4 MiB limit grows on its way to a worker); HTTP/2
-# pings every 10 s find a half-open connection or a stopped process within 15 s.
+# pings every 10 s find a half-open connection or a stopped process within 15 s. A fixed
+# receive window (no BDP growth): when the router falls behind a decode worker's steps, they
+# wait on the worker, which merges them into one message (decode_worker.coalesce), instead of
+# piling up here, megabytes deep, to be read a step at a time.
+RECEIVE_WINDOW_BYTES = 256 * 1024
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = MESSAGE_OPTIONS + (
     ("grpc.keepalive_time_ms", 10000),
     ("grpc.keepalive_timeout_ms", 5000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.lookahead_bytes", RECEIVE_WINDOW_BYTES),
+    ("grpc.http2.bdp_probe", 0),
 )
 _GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED)
 

@@ -2,8 +2,9 @@
 
 Embedded default: a bundled redis-server, a local Ray head, 1 prefill + 1 decode worker on
 the bundled SmolLM2, the router on 127.0.0.1:50051 and metrics on 127.0.0.1:9400 (see
-`pdserve.defaults`). Point `ray_address` / `redis_url` elsewhere and the same code runs
-against a real cluster.
+`pdserve.defaults`); with `router_processes` N > 1, N-1 more router processes share its
+ports and workers (pdserve.launch.router_processes). Point `ray_address` / `redis_url`
+elsewhere and the same code runs against a real cluster.
 `stop()` stops exactly what `start()` started.
 """
 
@@ -33,6 +34,7 @@ class Service:
         self.store = None
         self.router_server = None
         self.http = None  # the OpenAI-compatible front, when http_port is set
+        self.router_processes = None  # routers 1..N-1, when router_processes > 1
         self.metrics = None
         self.metrics_port: int | None = None
         self._supervisor: asyncio.Task | None = None
@@ -83,6 +85,7 @@ class Service:
             task.cancel()
         parts = [
             ("planner and supervisor", lambda: asyncio.gather(*tasks, return_exceptions=True)),
+            ("other router processes", self.router_processes and self.router_processes.stop),
             ("OpenAI front", self.http and self.http.stop),
             ("router", self.router_server and self.router_server.stop),
             ("metrics server", self.metrics and _async(self.metrics.stop_http)),
@@ -191,21 +194,29 @@ class Service:
         )
 
     async def _start_router(self, model_path, model_name, redis_url, infos) -> None:
-        from pdserve.router.config import RouterConfig
+        from pdserve.launch.router_front import RouterFronts
         from pdserve.router.metrics import RouterMetrics
-        from pdserve.router.router import Router
-        from pdserve.router.server import RouterServer
-        from pdserve.router.store import RedisStore
-        from pdserve.router.validation import ModelContext
 
         s = self.settings
-        model = await asyncio.to_thread(ModelContext.load, model_path, model_name, s.dtype,
-                                        s.max_model_len)
-        self.store = RedisStore(redis_url, s.redis_password, s.redis_namespace,
-                                session_ttl_s=s.session_ttl_s,
-                                session_max_tokens=s.session_max_tokens,
-                                max_sessions_per_tenant=s.max_sessions_per_token)
+        spec = self._router_spec(model_path, model_name, redis_url)
         self.metrics = RouterMetrics()
+        fronts = await RouterFronts.bind(
+            spec, self.secret, [(i.worker_id, i.role, i.address) for i in infos], self.metrics)
+        self.store, self.router_server = fronts.store, fronts.server
+        self.metrics_port = self.metrics.start_http(s.host, s.metrics_port)
+        try:
+            await fronts.start(ready_timeout_s=60)
+        finally:
+            self.http = fronts.http
+        await self._start_router_processes(spec, fronts)
+        self._start_supervision(fronts.router)
+
+    def _router_spec(self, model_path: str, model_name: str, redis_url: str):
+        from pdserve.launch.router_front import RouterSpec
+        from pdserve.router.config import RouterConfig
+        from pdserve.router.validation import RequestLimits
+
+        s = self.settings
         config = RouterConfig(
             block_size=s.block_size, max_inflight_requests=s.max_inflight_requests,
             max_queued_requests=s.max_queued_requests,
@@ -213,36 +224,32 @@ class Service:
             max_local_prefill_tokens=s.max_local_prefill_tokens,
             colocated=s.mode == "colocated",
         )
-        router = Router(model, config, self.metrics, self.store, secret=self.secret,
-                        worker_tls=self.worker_tls)
-        for info in infos:
-            await router.add_worker(info.worker_id, info.role, info.address)
-        self.router_server = RouterServer(router, s.host, s.port, self.api_tokens,
-                                          tls=self.tls, limits=self._limits(),
-                                          max_timeout_s=s.grpc_timeout_s)
-        self.metrics_port = self.metrics.start_http(s.host, s.metrics_port)
-        await router.wait_ready(timeout=60)
-        await self.router_server.start()
-        if s.http_port:
-            await self._start_http(router)
-        self._start_supervision(router)
+        limits = RequestLimits(s.max_stop_strings, s.max_stop_string_chars,
+                               s.max_stop_token_ids)
+        return RouterSpec(
+            model_path=model_path, model_name=model_name, dtype=s.dtype,
+            max_model_len=s.max_model_len, config=config, limits=limits, host=s.host,
+            port=s.port, http_port=s.http_port, grpc_timeout_s=s.grpc_timeout_s,
+            http_timeout_s=s.http_timeout_s, tls=self.tls, worker_tls=self.worker_tls,
+            redis_url=redis_url, redis_namespace=s.redis_namespace,
+            session_ttl_s=s.session_ttl_s, session_max_tokens=s.session_max_tokens,
+            max_sessions_per_tenant=s.max_sessions_per_token,
+            redis_password=s.redis_password, api_tokens=self.api_tokens)
 
-    async def _start_http(self, router) -> None:
-        """The OpenAI API on the router's own event loop, calling it in-process."""
-        from pdserve.router.openai.app import OpenAIApp
-        from pdserve.router.openai.server import HTTPServer
+    async def _start_router_processes(self, spec, fronts) -> None:
+        """Routers 1..N-1 (`router_processes`), on the ports router 0 bound: it binds first, so
+        port 0 (tests) means the same free port for all."""
+        from pdserve.launch import router_processes as rp
 
         s = self.settings
-        app = OpenAIApp(router, self.router_server.can_serve, self.api_tokens, s.http_timeout_s,
-                        limits=self._limits())
-        self.http = HTTPServer(app.app, s.host, s.http_port, tls=self.tls)
-        await self.http.start()
-
-    def _limits(self):
-        from pdserve.router.validation import RequestLimits
-
-        s = self.settings
-        return RequestLimits(s.max_stop_strings, s.max_stop_string_chars, s.max_stop_token_ids)
+        count = s.router_processes or rp.default_router_processes(rp.available_cpus())
+        if count == 1:
+            return
+        spec = replace(spec, port=fronts.server.port,
+                       http_port=fronts.http.port if fronts.http is not None else 0)
+        self.router_processes = rp.RouterProcesses(count, spec, self.secret, fronts.router,
+                                                   self.metrics)
+        await self.router_processes.start()
 
     def _start_supervision(self, router) -> None:
         """The pool's supervisor, telling the router of restarts; the live planner if set."""

@@ -72,6 +72,9 @@ class ServeSettings:
                                  "longest an HTTP request may run (caps a client's timeout)")
     grpc_timeout_s: float = _opt(defaults.GRPC_TIMEOUT_S,
                                  "longest a gRPC Generate may run (caps a client's deadline)")
+    router_processes: int | None = _opt(
+        None, "router processes sharing the gRPC and HTTP ports and the workers (SO_REUSEPORT; "
+        "default: one per 16 cores this process may use, 1 to 8)")
     tls_cert: str | None = _opt(None, "PEM certificate (chain) of the gRPC and HTTP fronts: "
                                 "TLS on when set, with --tls-key")
     tls_key: str | None = _opt(None, "PEM private key of --tls-cert")
@@ -115,6 +118,9 @@ class ServeSettings:
         for name in ("prefill_workers", "decode_workers", "decode_tp", "max_inflight_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.router_processes is not None and self.router_processes < 1:
+            raise ValueError(f"router_processes must be >= 1 (or unset: by the cores), got "
+                             f"{self.router_processes}")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.mode not in ("disaggregated", "colocated"):

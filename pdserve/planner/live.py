@@ -115,7 +115,7 @@ class LivePlanner:
         return max(taken, default=-1) + 1
 
     def _scrape(self) -> Scrape:
-        return Scrape(time.monotonic(), self.router.num_received,
+        return Scrape(time.monotonic(), self.router.total_received,
                       self.router.metrics.render().decode())
 
     @staticmethod

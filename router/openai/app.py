@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -89,7 +89,7 @@ class OpenAIApp:
         return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
 
     async def metrics(self, request: Request) -> Response:
-        return Response(generate_latest(self.router.metrics.registry),
+        return Response(self.router.metrics.render(),
                         media_type=CONTENT_TYPE_LATEST)
 
     async def _generate(self, request: Request, parse: Callable[..., OpenAIRequest]) -> Any:

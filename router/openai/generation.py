@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pdserve.proto import pdserve_pb2
+from pdserve.router.mailbox import Mailbox
 from pdserve.router.openai.errors import error_body, status_of
 from pdserve.router.openai.protocol import OpenAIRequest
 from pdserve.router.openai.responses import Choices
@@ -30,33 +31,47 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
 
 
 class ChoiceStreams:
-    """The router streams of every choice, merged; the owner of their tasks."""
+    """The router streams of every choice, merged; the owner of their tasks.
+
+    A writer that fell behind (the client reads slower than tokens arrive: `send` waits on
+    the socket's flow control) gets everything that arrived meanwhile at once, each choice's
+    messages joined into one (see Mailbox), so it writes one event per choice, not one per
+    token, and what waits is just those messages.
+    """
 
     def __init__(self, streams: list[AsyncIterator[pdserve_pb2.GenerateResponse]]) -> None:
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._mailbox = Mailbox()
         self._open = len(streams)
+        self._error: Exception | None = None  # raised once the messages before it are out
         self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
 
     async def _pump(self, index: int, stream: AsyncIterator) -> None:
         try:
             async with contextlib.aclosing(stream):
                 async for message in stream:
-                    self._queue.put_nowait((index, message))
-            self._queue.put_nowait((index, None))
+                    self._mailbox.put((index, message))
+            self._mailbox.put((index, None))
         except Exception as exc:
-            self._queue.put_nowait((index, exc))
+            self._mailbox.put((index, exc))
 
-    async def next(self) -> tuple[int, pdserve_pb2.GenerateResponse] | None:
-        """The next message of any choice; None once every choice has finished."""
-        while self._open:
-            index, item = await self._queue.get()
-            if item is None:
-                self._open -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                return index, item
-        return None
+    async def next(self) -> list[tuple[int, pdserve_pb2.GenerateResponse]]:
+        """What arrived since the last call: (choice, message) with one message per choice;
+        [] once every choice has finished."""
+        while self._open and self._error is None:
+            arrived: dict[int, list[pdserve_pb2.GenerateResponse]] = {}
+            for index, item in await self._mailbox.take():
+                if item is None:
+                    self._open -= 1
+                elif isinstance(item, Exception):
+                    self._error = item
+                    break
+                else:
+                    arrived.setdefault(index, []).append(item)
+            if arrived:
+                return [(index, merge(messages)) for index, messages in arrived.items()]
+        if self._error is not None:
+            raise self._error
+        return []
 
     async def close(self) -> None:
         """Cancel what still runs (the router frees those requests) and wait for it."""
@@ -110,23 +125,23 @@ class GenerationResponse:
             self.on_done(status)
 
     async def _whole(self, send: Send, streams: ChoiceStreams) -> None:
-        while (item := await streams.next()) is not None:
-            self.choices.add(*item)
+        while arrived := await streams.next():
+            for index, message in arrived:
+                self.choices.add(index, message)
         await self._send_json(send, 200, self.choices.response())
 
     async def _stream(self, send: Send, streams: ChoiceStreams) -> None:
-        item = await streams.next()  # errors before the first token keep their status
+        arrived = await streams.next()  # errors before the first token keep their status
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         self.started = True
-        for chunk in self.choices.first_chunks():
-            await _event(send, chunk)
-        while item is not None:
-            chunk = self.choices.add(*item)
-            if chunk is not None:
-                await _event(send, chunk)
-            item = await streams.next()
+        chunks = self.choices.first_chunks()
+        while arrived:
+            chunks += [chunk for index, message in arrived
+                       if (chunk := self.choices.add(index, message)) is not None]
+            await _events(send, chunks)
+            chunks, arrived = [], await streams.next()
         if self.request.include_usage:
-            await _event(send, self.choices.usage_chunk())
+            await _events(send, [self.choices.usage_chunk()])
         await self._done(send)
 
     async def _fail(self, send: Send, code: int, exc: BaseException) -> None:
@@ -134,7 +149,7 @@ class GenerationResponse:
         if not self.started:
             await self._send_json(send, code, body)
             return
-        await _event(send, body)
+        await _events(send, [body])
         await self._done(send)
 
     async def _send_json(self, send: Send, status: int, body: dict[str, Any]) -> None:
@@ -154,9 +169,27 @@ async def send_json(send: Send, status: int, body: dict[str, Any]) -> None:
     await send({"type": "http.response.body", "body": data})
 
 
-async def _event(send: Send, chunk: dict[str, Any]) -> None:
-    data = b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
-    await send({"type": "http.response.body", "body": data, "more_body": True})
+async def _events(send: Send, chunks: list[dict[str, Any]]) -> None:
+    """Server-Sent Events, one per chunk, in one write."""
+    if not chunks:
+        return
+    data = "".join(f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n" for chunk in chunks)
+    await send({"type": "http.response.body", "body": data.encode(), "more_body": True})
+
+
+def merge(messages: list[pdserve_pb2.GenerateResponse]) -> pdserve_pb2.GenerateResponse:
+    """Consecutive messages of one choice as one: text, tokens and logprobs joined; finish,
+    usage and timings of the last (only a last message carries them)."""
+    if len(messages) == 1:
+        return messages[0]
+    merged = pdserve_pb2.GenerateResponse()
+    merged.CopyFrom(messages[-1])
+    merged.text = "".join(m.text for m in messages)
+    del merged.token_ids[:], merged.logprobs[:]
+    for m in messages:
+        merged.token_ids.extend(m.token_ids)
+        merged.logprobs.extend(m.logprobs)
+    return merged
 
 
 async def _disconnect(receive: Callable) -> None:

@@ -2,7 +2,8 @@
 
 It binds its socket itself (port 0 picks a free one; `port` reports it) and leaves signals to
 its owner: `pdserve up` and tests stop it with `stop()`. With `tls` it serves HTTPS, and with
-the TLS files' CA it requires client certificates signed by it.
+the TLS files' CA it requires client certificates signed by it. With `reuse_port` (SO_REUSEPORT)
+every router process of a service binds the same port (`--router-processes`).
 """
 
 from __future__ import annotations
@@ -28,13 +29,17 @@ class _Server(uvicorn.Server):
 
 class HTTPServer:
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0,
-                 tls: TLSFiles | None = None) -> None:
+                 tls: TLSFiles | None = None, reuse_port: bool = True) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.socket = socket.create_server((host, port), family=family)
+        # reuse_port: several router processes listen on one port and the kernel spreads new
+        # connections over them (gRPC's own servers set SO_REUSEPORT too, by default)
+        self.socket = socket.create_server((host, port), family=family, reuse_port=reuse_port)
         self.port = self.socket.getsockname()[1]
         self.url = f"{'https' if tls else 'http'}://{host}:{self.port}"
+        # httptools: the C HTTP parser (h11, the pure-Python one, costs more per request)
         config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=2, **_ssl_options(tls))
+                                http="httptools", timeout_graceful_shutdown=2,
+                                **_ssl_options(tls))
         self._server = _Server(config)
         self._task: asyncio.Task | None = None
 

@@ -23,6 +23,7 @@ def tiny_settings(model_dir, ray_address: str, **overrides) -> ServeSettings:
         model=str(model_dir), max_model_len=512, num_kv_blocks=256, max_num_seqs=32,
         max_num_batched_tokens=512, prefill_threads=1, decode_threads=1, port=0,
         metrics_port=0, http_port=0, ray_address=ray_address, kv_transfer_timeout_s=20.0,
+        router_processes=1,  # whatever the machine's cores: tests count one router's metrics
     )
     return replace(base, **overrides)
 

@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from pdserve.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
+from pdserve.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer, native_decode
 
 FFFD = "\ufffd"
 CHAT_PROMPT = "<|im_start|>user\nSay something.<|im_end|>\n<|im_start|>assistant\n"
@@ -291,3 +291,32 @@ def test_sentencepiece_random_ids_stream_to_the_full_decode(sentencepiece, seed:
     detok, updates = stream(sentencepiece, [], out, chunk_sizes=[1, 2, 3])
     assert all(FFFD not in u.delta for u in updates)
     assert joined(updates) + detok.flush() == sentencepiece.decode(out, skip_special_tokens=True)
+
+
+def _wordpiece_tokenizer() -> PreTrainedTokenizerFast:
+    """A WordPiece tokenizer with clean-up on: decode's clean-up pass changes its text."""
+    trained = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    trained.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trained.decoder = decoders.WordPiece()
+    trained.train_from_iterator(["Hello , world ! It ' s a test . Do n't stop ?"] * 5,
+                                trainers.WordPieceTrainer(vocab_size=80,
+                                                          special_tokens=["[UNK]", "[SEP]"]))
+    return PreTrainedTokenizerFast(tokenizer_object=trained, unk_token="[UNK]",
+                                   sep_token="[SEP]", clean_up_tokenization_spaces=True)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_native_decode_equals_the_tokenizers_decode(smollm2, sentencepiece, seed: int) -> None:
+    """The window decoder the router uses gives tokenizer.decode's text exactly, special tokens
+    kept or skipped, for byte-level BPE, both sentencepiece styles and a WordPiece tokenizer
+    whose clean-up pass must not be skipped."""
+    wordpiece = _wordpiece_tokenizer()
+    rng = random.Random(seed)
+    for tokenizer in (smollm2, sentencepiece, wordpiece):
+        decode = native_decode(tokenizer)
+        for _ in range(200):
+            ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 12))]
+            for skip in (True, False):
+                assert decode(ids, skip) == tokenizer.decode(ids, skip_special_tokens=skip), ids
+    assert wordpiece.decode(wordpiece.encode("It ' s")) != \
+        wordpiece.backend_tokenizer.decode(wordpiece.encode("It ' s"))  # the clean-up matters

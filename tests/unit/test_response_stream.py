@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto import pdserve_pb2, worker_pb2
 from pdserve.router.flight import Flight, Placement
+from pdserve.router.mailbox import Mailbox
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.stream import ResponseStream, WorkerFailed
 from pdserve.router.validation import ValidRequest
@@ -87,28 +88,38 @@ def run_stream(
     req: ValidRequest,
     items: Sequence[object],
     prefill: worker_pb2.PrefillResponse | None = None,
+    coalesce: bool = False,
 ) -> Run:
-    """Runs one ResponseStream over `items` (queued up front) to its end or its exception."""
+    """Runs one ResponseStream over `items` to its end or its exception. Items arrive one at a
+    time, each once the stream took the one before (a reader that keeps up), or with
+    `coalesce` all before the stream looks (a reader that fell behind)."""
     metrics = RouterMetrics()
     flight = Flight(req.request_id, req.request_id)
 
     async def main() -> Run:
-        queue: asyncio.Queue = asyncio.Queue()
-        for item in items:
-            queue.put_nowait(item)
-        placement = Placement(decode=object(), queue=queue, prefill=prefill)
+        mailbox, pending = Mailbox(), list(items)
+        placement = Placement(decode=object(), mailbox=mailbox, prefill=prefill)
         stream = ResponseStream(req, tokenizer, placement, time.monotonic(), QUEUED_S, metrics)
         messages: list[pdserve_pb2.GenerateResponse] = []
+
+        async def feed() -> None:
+            while pending:
+                mailbox.put(pending.pop(0))
+                while len(mailbox) and not coalesce:
+                    await asyncio.sleep(0)
 
         async def collect() -> None:
             async for message in stream.run(flight):
                 messages.append(message)
 
+        feeder = asyncio.create_task(feed())
         try:
             await asyncio.wait_for(collect(), 5)
         except (WorkerLost, WorkerFailed) as exc:
-            return Run(messages, flight, metrics, queue.qsize(), exc)
-        return Run(messages, flight, metrics, queue.qsize())
+            return Run(messages, flight, metrics, len(mailbox) + len(pending), exc)
+        finally:
+            feeder.cancel()
+        return Run(messages, flight, metrics, len(mailbox) + len(pending))
 
     return asyncio.run(main())
 
@@ -154,8 +165,8 @@ def test_remote_first_token_is_sent_before_any_delta(tokenizer, prompt_ids, out_
     prefill = prefill_response(out_ids[0])
 
     async def first_message() -> pdserve_pb2.GenerateResponse:
-        queue: asyncio.Queue = asyncio.Queue()  # the decode worker has sent nothing yet
-        placement = Placement(decode=object(), queue=queue, prefill=prefill)
+        mailbox = Mailbox()  # the decode worker has sent nothing yet
+        placement = Placement(decode=object(), mailbox=mailbox, prefill=prefill)
         stream = ResponseStream(req, tokenizer, placement, time.monotonic(), 0.0, RouterMetrics())
         agen = stream.run(Flight(req.request_id))
         try:
@@ -430,3 +441,39 @@ def test_stop_string_local_keeps_the_workers_cached_count(tokenizer, prompt_ids)
     run = run_stream(tokenizer, req, items)
     assert run.last.finish_reason == "stop"
     assert run.last.usage.cached_tokens == 5
+
+
+# ---- coalescing: a reader that fell behind gets the backlog as one message ----
+
+
+@pytest.mark.parametrize("remote", [False, True])
+@pytest.mark.parametrize("stop", [(), ("you, na",)])
+def test_a_backlog_goes_out_as_one_message_with_the_same_tokens_and_text(
+        tokenizer, prompt_ids, out_ids, remote: bool, stop: tuple[str, ...]) -> None:
+    """Every delta waiting when the stream looks merges into one message: nothing reordered,
+    dropped or repeated, the text still equals the decode of the token ids (and is cut at the
+    same stop string), and the remote first token still goes out alone, first."""
+    req = make_req(prompt_ids, stop=stop)
+    prefill = prefill_response(out_ids[0]) if remote else None
+    items = deltas_for(out_ids, [1, 2, 1, 3, 2])
+    steady = run_stream(tokenizer, req, items, prefill)
+    backlog = run_stream(tokenizer, req, items, prefill, coalesce=True)
+    check_shape(backlog, req)
+    assert backlog.token_ids == steady.token_ids
+    assert backlog.text == steady.text
+    assert (backlog.last.finish_reason, backlog.last.stop_reason) == \
+        (steady.last.finish_reason, steady.last.stop_reason)
+    assert len(backlog.messages) == (2 if remote else 1) < len(steady.messages)
+    if remote:
+        assert list(backlog.messages[0].token_ids) == [out_ids[0]]
+    if not stop:
+        assert backlog.text == tokenizer.decode(out_ids, skip_special_tokens=True)
+
+
+def test_tokens_before_a_lost_worker_in_a_backlog_still_reach_the_client(
+        tokenizer, prompt_ids, out_ids) -> None:
+    req = make_req(prompt_ids)
+    items = [delta(out_ids[:2]), delta(out_ids[2:4]), Lost("decode worker gone")]
+    run = run_stream(tokenizer, req, items, coalesce=True)
+    assert isinstance(run.error, WorkerLost)
+    assert run.token_ids == out_ids[:4] and len(run.messages) == 1

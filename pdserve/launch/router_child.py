@@ -1,0 +1,118 @@
+"""One extra router process of `--router-processes` (started by pdserve.launch.router_processes).
+
+It reads its start document from the pipe (the RouterSpec, the cluster secret, the worker
+table), builds its Router and fronts exactly as the service process does (RouterFronts), binds
+the service's gRPC and HTTP ports beside the others (SO_REUSEPORT), and serves on uvloop. Then
+it follows the parent's word (worker-table changes, drains, stop) and reports its request
+count and metrics every REPORT_S. The pipe closing (the parent died) stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+from multiprocessing.connection import Connection
+from typing import Any
+
+from pdserve.cluster_secret import ClusterSecret
+from pdserve.launch.router_front import RouterFronts, RouterSpec
+
+logger = logging.getLogger(__name__)
+
+REPORT_S = 1.0
+READY_S = 30.0  # then it serves anyway, its health naming the workers it cannot reach
+
+
+def child_main(conn: Connection) -> None:
+    """The process's entry point."""
+    # Ctrl-C reaches the whole process group; the parent stops its children itself
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    start = json.loads(conn.recv_bytes())
+    logging.basicConfig(level=start["log_level"], format=(
+        f"%(asctime)s %(levelname)s router-{start['index']} %(name)s: %(message)s"))
+    import uvloop
+
+    uvloop.run(_serve(conn, start))
+
+
+async def _serve(conn: Connection, start: dict[str, Any]) -> None:
+    spec = RouterSpec.from_json(start["spec"])
+    secret = ClusterSecret.from_text(start.pop("secret"))
+    fronts = None
+    try:
+        fronts = await RouterFronts.bind(spec, secret, [tuple(w) for w in start["workers"]])
+        await fronts.start(READY_S, require_ready=False)
+    except Exception as exc:
+        logger.exception("router process could not start")
+        _send(conn, {"op": "failed", "error": f"{type(exc).__name__}: {exc}"})
+        if fronts is not None:
+            await fronts.stop(grace=0)
+        return
+    _send(conn, {"op": "ready", "pid": os.getpid()})
+    try:
+        await _Follower(conn, fronts).run()
+    finally:
+        await fronts.stop()
+
+
+class _Follower:
+    """The parent's word, applied to this process's router; its reports."""
+
+    def __init__(self, conn: Connection, fronts: RouterFronts) -> None:
+        self.conn, self.router, self.metrics = conn, fronts.router, fronts.metrics
+        self._tasks: set[asyncio.Task] = set()
+
+    async def run(self) -> None:
+        """Until the parent says stop or is gone."""
+        reporter = asyncio.create_task(self._report())
+        try:
+            while True:
+                try:
+                    message = json.loads(await asyncio.to_thread(self.conn.recv_bytes))
+                except (EOFError, OSError):
+                    logger.warning("the service process is gone: this router stops")
+                    return
+                if message["op"] == "stop":
+                    return
+                try:
+                    await self._apply(message)
+                except Exception:  # one bad change must not take the whole router down
+                    logger.exception("applying %s failed", message["op"])
+        finally:
+            reporter.cancel()
+            for task in list(self._tasks):
+                task.cancel()
+
+    async def _apply(self, message: dict[str, Any]) -> None:
+        op, worker_id = message["op"], message["worker_id"]
+        if op == "add_worker":
+            await self.router.add_worker(worker_id, message["role"], message["address"])
+        elif op == "mark_down":
+            self.router.mark_down(worker_id)
+        elif op == "drain":  # in the background: later changes must not wait for it
+            task = asyncio.create_task(self._drain(message["id"], worker_id,
+                                                   message["timeout_s"]))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        else:
+            logger.error("unknown message from the service process: %r", op)
+
+    async def _drain(self, drain_id: int, worker_id: str, timeout_s: float) -> None:
+        if any(c.worker_id == worker_id for c in self.router.workers()):
+            await self.router.drain(worker_id, timeout_s)
+        _send(self.conn, {"op": "drained", "id": drain_id})
+
+    async def _report(self) -> None:
+        while True:
+            _send(self.conn, {"op": "report", "num_received": self.router.num_received,
+                              "metrics": self.metrics.render().decode()})
+            await asyncio.sleep(REPORT_S)
+
+
+def _send(conn: Connection, message: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError):  # the parent is gone: the reader sees it and stops
+        conn.send_bytes(json.dumps(message).encode())
