@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
 from pdserve.cluster_secret import ClusterSecret
@@ -69,6 +69,9 @@ class Router:
         # other router processes serving the same workers: this router owns the worker table
         # and tells them every change (pdserve.launch.router_processes)
         self.followers: list[RouterFollower] = []
+        # where to look for a request this process does not have (another router process
+        # may hold it: the kernel spreads connections, so an Abort may land elsewhere)
+        self.relay_abort: Callable[[str], Awaitable[bool]] | None = None
         self._background: set[asyncio.Task] = set()
 
     # ---- workers ----
@@ -175,9 +178,12 @@ class Router:
         if request_id in self.flights:
             raise InvalidArgument(f"request_id {request_id!r} is already in flight")
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, relay: bool = True) -> bool:
+        """Abort an in-flight request: here, or (`relay`) in another router process."""
         flight = self.flights.get(request_id)
         if flight is None:
+            if relay and self.relay_abort is not None:
+                return await self.relay_abort(request_id)
             return False
         flight.aborted = True
         if flight.prefill is not None:

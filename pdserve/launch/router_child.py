@@ -3,7 +3,8 @@
 It reads its start document from the pipe (the RouterSpec, the cluster secret, the worker
 table), builds its Router and fronts exactly as the service process does (RouterFronts), binds
 the service's gRPC and HTTP ports beside the others (SO_REUSEPORT), and serves on uvloop. Then
-it follows the parent's word (worker-table changes, drains, stop) and reports its request
+it follows the parent's word (worker-table changes, drains, aborts, stop), asks it for an
+Abort of a request this process does not hold, and reports its request
 count and metrics every REPORT_S. The pipe closing (the parent died) stops it.
 """
 
@@ -24,6 +25,8 @@ from pdserve.launch.router_front import RouterFronts, RouterSpec
 logger = logging.getLogger(__name__)
 
 REPORT_S = 1.0
+# the parent asks its router and the other children, each within 5 s
+ABORT_TIMEOUT_S = 12.0
 READY_S = 30.0  # then it serves anyway, its health naming the workers it cannot reach
 
 
@@ -65,6 +68,9 @@ class _Follower:
     def __init__(self, conn: Connection, fronts: RouterFronts) -> None:
         self.conn, self.router, self.metrics = conn, fronts.router, fronts.metrics
         self._tasks: set[asyncio.Task] = set()
+        self._answers: dict[int, asyncio.Future] = {}  # our abort questions to the parent
+        self._next_id = 0
+        self.router.relay_abort = self._abort_elsewhere
 
     async def run(self) -> None:
         """Until the parent says stop or is gone."""
@@ -88,18 +94,46 @@ class _Follower:
                 task.cancel()
 
     async def _apply(self, message: dict[str, Any]) -> None:
-        op, worker_id = message["op"], message["worker_id"]
+        op = message["op"]
+        if op == "aborted":  # the parent's answer to our question
+            answer = self._answers.get(message["id"])
+            if answer is not None and not answer.done():
+                answer.set_result(bool(message["found"]))
+            return
+        if op == "abort":  # the parent asks: do we hold it?
+            self._background(self._answer_abort(message))
+            return
+        worker_id = message["worker_id"]
         if op == "add_worker":
             await self.router.add_worker(worker_id, message["role"], message["address"])
         elif op == "mark_down":
             self.router.mark_down(worker_id)
         elif op == "drain":  # in the background: later changes must not wait for it
-            task = asyncio.create_task(self._drain(message["id"], worker_id,
-                                                   message["timeout_s"]))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._background(self._drain(message["id"], worker_id, message["timeout_s"]))
         else:
             logger.error("unknown message from the service process: %r", op)
+
+    async def _answer_abort(self, message: dict[str, Any]) -> None:
+        found = await self.router.abort(message["request_id"], relay=False)
+        _send(self.conn, {"op": "aborted", "id": message["id"], "found": found})
+
+    async def _abort_elsewhere(self, request_id: str) -> bool:
+        """Ask the parent whether another router process holds the request (and abort it)."""
+        self._next_id += 1
+        ask_id, answer = self._next_id, asyncio.get_running_loop().create_future()
+        self._answers[ask_id] = answer
+        try:
+            _send(self.conn, {"op": "abort", "id": ask_id, "request_id": request_id})
+            return await asyncio.wait_for(answer, ABORT_TIMEOUT_S)
+        except TimeoutError:
+            return False
+        finally:
+            self._answers.pop(ask_id, None)
+
+    def _background(self, coro) -> None:  # later messages must not wait for it
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _drain(self, drain_id: int, worker_id: str, timeout_s: float) -> None:
         if any(c.worker_id == worker_id for c in self.router.workers()):

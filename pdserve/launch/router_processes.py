@@ -11,6 +11,9 @@ Parent <-> child: one Pipe of JSON documents (send_bytes / recv_bytes, never pic
     then {"op": "add_worker" | "mark_down" | "drain" | "stop", ...}.
   child -> parent: {"op": "ready", "pid"} or {"op": "failed", "error"}; then every REPORT_S
     {"op": "report", "num_received", "metrics"}, and {"op": "drained", "id"} per drain.
+  Abort of a request another process holds, either way: {"op": "abort", "id", "request_id"},
+    answered {"op": "aborted", "id", "found"}; the parent asks its own router and the other
+    children for a child.
 Each child's `RouterSlot` is a follower of the parent's Router (router.router.RouterFollower),
 told every change of the worker table. A child that dies (crash, SIGKILL) fails only its own
 streams (their connections break; the decode workers free their KV when its subscription
@@ -30,6 +33,7 @@ import multiprocessing
 import os
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +45,7 @@ from pdserve.router.metrics_merge import merge_expositions, totals_only
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0  # a child's interpreter, imports and tokenizer, on a busy machine
+ABORT_TIMEOUT_S = 5.0  # a child's answer to "do you hold this request?"
 STOP_TIMEOUT_S = 10.0  # asked to stop, a child gets this long before it is killed
 RESTART_S, RESTART_MAX_S = 1.0, 30.0  # backoff before a replacement, doubling while it crashes
 STABLE_S = 60.0  # a child that lived this long died by accident, not in a crash loop
@@ -90,8 +95,9 @@ class RouterSlot:
         self._conn = None
         self._base_received = 0  # what the dead processes had accepted
         self._started: asyncio.Future | None = None
-        self._drains: dict[int, asyncio.Future] = {}
-        self._next_drain = 0
+        self._replies: dict[int, asyncio.Future] = {}  # our question's id -> its answer
+        self._next_id = 0
+        self.relay_abort: Callable[[str, RouterSlot], Awaitable[bool]] | None = None
         self._stopping = False
         self._failures = 0  # deaths in a row, each soon after its start
         self._spawned_at = 0.0
@@ -141,18 +147,30 @@ class RouterSlot:
 
     async def drain(self, worker_id: str, timeout_s: float) -> None:
         """Until the child has drained the worker (its own wait is bounded by timeout_s)."""
-        self._next_drain += 1
-        drain_id, done = self._next_drain, asyncio.get_running_loop().create_future()
-        self._drains[drain_id] = done
-        if not self._send({"op": "drain", "id": drain_id, "worker_id": worker_id,
-                           "timeout_s": timeout_s}):
-            done.set_result(None)  # no process: its replacement gets the table without it
-        try:
-            await asyncio.wait_for(done, timeout_s + STOP_TIMEOUT_S)
-        except TimeoutError:
+        # no process: its replacement gets the table without it
+        answer = await self._ask({"op": "drain", "worker_id": worker_id, "timeout_s": timeout_s},
+                                 timeout_s + STOP_TIMEOUT_S)
+        if answer is None and self._conn is not None:
             logger.warning("router process %d did not drain %s in time", self.index, worker_id)
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort the request if this child holds it."""
+        answer = await self._ask({"op": "abort", "request_id": request_id}, ABORT_TIMEOUT_S)
+        return bool(answer and answer.get("found"))
+
+    async def _ask(self, message: dict[str, Any], timeout_s: float) -> dict | None:
+        """Send a question; its answer, or None (no process, it died, or no answer in time)."""
+        self._next_id += 1
+        ask_id, answer = self._next_id, asyncio.get_running_loop().create_future()
+        self._replies[ask_id] = answer
+        try:
+            if not self._send({**message, "id": ask_id}):
+                return None
+            return await asyncio.wait_for(answer, timeout_s)
+        except TimeoutError:
+            return None
         finally:
-            self._drains.pop(drain_id, None)
+            self._replies.pop(ask_id, None)
 
     # ---- the pipe ----
 
@@ -183,10 +201,12 @@ class RouterSlot:
         if op == "report":
             self.num_received = self._base_received + int(message["num_received"])
             self.exposition = message["metrics"]
-        elif op == "drained":
-            done = self._drains.get(message["id"])
-            if done is not None and not done.done():
-                done.set_result(None)
+        elif op in ("drained", "aborted"):
+            answer = self._replies.get(message["id"])
+            if answer is not None and not answer.done():
+                answer.set_result(message)
+        elif op == "abort" and self.relay_abort is not None:  # the child does not hold it
+            self._spawn_task(self._answer_abort(message))
         elif op == "ready":
             self.ready = True
             logger.info("router process %d (pid %d) serving", self.index, message["pid"])
@@ -208,9 +228,9 @@ class RouterSlot:
         self.retired_metrics = merge_expositions(self.retired_metrics,
                                                  [totals_only(self.exposition)])
         self.exposition = ""
-        for done in self._drains.values():
-            if not done.done():
-                done.set_result(None)
+        for answer in self._replies.values():
+            if not answer.done():
+                answer.set_result(None)
         if self._stopping:
             return
         if not self._started.done():
@@ -249,6 +269,10 @@ class RouterSlot:
         except RuntimeError:
             pass
 
+    async def _answer_abort(self, message: dict[str, Any]) -> None:
+        found = await self.relay_abort(message["request_id"], self)
+        self._send({"op": "aborted", "id": message["id"], "found": found})
+
     def _spawn_task(self, coro) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
@@ -284,7 +308,9 @@ class RouterProcesses:
     async def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Start every child and wait until each serves; RuntimeError (every child stopped)
         when one cannot."""
+        self.router.relay_abort = self.abort
         for slot in self.slots:
+            slot.relay_abort = self.abort
             slot.spawn()
             self.router.followers.append(slot)
         self.metrics.add_source(self.expositions)
@@ -296,12 +322,23 @@ class RouterProcesses:
         logger.info("%d router processes serve (pids %s and this one)", len(self.slots) + 1,
                     [slot.pid for slot in self.slots])
 
+    async def abort(self, request_id: str, asker: RouterSlot | None = None) -> bool:
+        """Abort the request wherever it runs: the service process's router (unless it is the
+        one asking) or a child other than the asker."""
+        if asker is not None and await self.router.abort(request_id, relay=False):
+            return True
+        for slot in self.slots:
+            if slot is not asker and await slot.abort(request_id):
+                return True
+        return False
+
     def expositions(self) -> list[str]:
         """Every child's metrics, as last reported, and what the dead ones left (any thread)."""
         return [text for slot in self.slots for text in (slot.retired_metrics, slot.exposition)
                 if text]
 
     async def stop(self) -> None:
+        self.router.relay_abort = None
         for slot in self.slots:
             if slot in self.router.followers:
                 self.router.followers.remove(slot)

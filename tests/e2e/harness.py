@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 import grpc
+import uvloop
 
 from pdserve.launch.service import Service
 from pdserve.launch.settings import ServeSettings
@@ -33,7 +34,7 @@ class ServiceThread:
 
     def __init__(self, settings: ServeSettings) -> None:
         self.service = Service(settings)
-        self.loop = asyncio.new_event_loop()
+        self.loop = uvloop.new_event_loop()  # as `pdserve up` runs it
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
 

@@ -287,3 +287,32 @@ def test_service_metrics_count_what_every_process_served(service, front, child):
                "the service's /metrics counts every stream, whichever process served it")
     assert child.num_received > received
     assert _ok(generate_latest(service.service.metrics.registry)) < before_own + len(prompts)
+
+
+def test_an_abort_reaches_the_stream_whichever_process_took_it(service, front):
+    """Abort on a connection the other process serves still finds the stream: each stream runs
+    on one process, and its Abort is sent on a connection to the other (both ways)."""
+    prompt = _prompts(1, seed=4)[0]
+
+    async def abort_across(stream_channel, abort_channel, request_id: str):
+        started = asyncio.Event()
+        task = asyncio.create_task(_stream(stream_channel, request_id, prompt, ORPHAN_TOKENS,
+                                           started))
+        await asyncio.wait_for(started.wait(), 60)
+        reply = await pdserve_pb2_grpc.InferenceStub(abort_channel).Abort(
+            pdserve_pb2.AbortRequest(request_id=request_id), timeout=20, metadata=AUTH)
+        return reply.found, await asyncio.wait_for(task, 30)
+
+    async def run():
+        (parent,), (child,) = await _connections_per_process(service, front, 1)
+        try:
+            return [await abort_across(parent, child, "abort-on-parent"),
+                    await abort_across(child, parent, "abort-on-child")]
+        finally:
+            await parent.close()
+            await child.close()
+
+    for found, (reason, tokens) in asyncio.run(run()):
+        assert found
+        assert reason == "abort" and len(tokens) < ORPHAN_TOKENS
+    wait_until(lambda: _blocks_free(front), 10, "the aborted requests' blocks are free")
