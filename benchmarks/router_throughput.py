@@ -122,6 +122,7 @@ class Recorder:
         self.recv_times: list[float] = []
         self.token_index: list[int] = []
         self.messages = 0  # messages (gRPC) or events (SSE) that carried tokens
+        self.ttft: list[float] = []  # request sent -> its first token received, seconds
         self.outcomes: Counter[str] = Counter()  # "<tokens> <finish_reason>" -> requests
         self.errors: Counter[str] = Counter()
 
@@ -170,10 +171,13 @@ async def grpc_load(load: Load, address: str, index: dict[int, int], rec: Record
         while time.monotonic() < end:
             request = pdserve_pb2.GenerateRequest(request_id=f"s{i}-{n}", sampling=sampling,
                                                   prompt_token_ids=load.prompt)
-            n, got, reason = n + 1, 0, ""
+            n, got, reason, sent = n + 1, 0, "", time.monotonic()
             try:
                 async for msg in stubs[i % len(stubs)].Generate(request):
-                    rec.tokens(time.monotonic(), [index[t] for t in msg.token_ids])
+                    now = time.monotonic()
+                    if not got:
+                        rec.ttft.append(now - sent)
+                    rec.tokens(now, [index[t] for t in msg.token_ids])
                     got, reason = got + len(msg.token_ids), msg.finish_reason or reason
             except grpc.aio.AioRpcError as exc:
                 rec.errors[exc.code().name] += 1
@@ -196,7 +200,7 @@ async def http_load(load: Load, url: str, words: dict[str, int], rec: Recorder) 
     limits = httpx.Limits(max_connections=load.streams, max_keepalive_connections=load.streams)
 
     async def request(client: httpx.AsyncClient, url: str) -> None:
-        got, reason, usage = 0, "", -1
+        got, reason, usage, sent = 0, "", -1, time.monotonic()
         async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
             if response.status_code != 200:
                 rec.errors[f"HTTP {response.status_code}"] += 1
@@ -208,6 +212,8 @@ async def http_load(load: Load, url: str, words: dict[str, int], rec: Recorder) 
                 now, chunk = time.monotonic(), json.loads(line[6:])
                 for choice in chunk["choices"]:
                     indexes = [words[w] for w in choice["text"].split()]
+                    if indexes and not got:
+                        rec.ttft.append(now - sent)
                     rec.tokens(now, indexes)
                     got, reason = got + len(indexes), choice["finish_reason"] or reason
                 if chunk.get("usage"):
@@ -246,26 +252,31 @@ def run_phase(load: Load, routers: list[Child], worker: Child, vocab: StepTokens
     cpu = {k: (_cpu(v) - cpu[k]) / wall for k, v in pids.items()}  # 1.0: one core
     threads = {k: sum(psutil.Process(p).num_threads() for p in v) for k, v in pids.items()}
     recv = np.asarray(rec.recv_times)
-    latency_ms = 1e3 * vocab.added_latency(recv, np.asarray(rec.token_index),
-                                           np.asarray(worker.ask("steps")))
+    steps = np.asarray(worker.ask("steps"))
+    latency_ms = 1e3 * vocab.added_latency(recv, np.asarray(rec.token_index), steps)
     p50, p99 = np.percentile(latency_ms, [50, 99]) if latency_ms.size else (0.0, 0.0)
     return {
         "front": load.front, "streams": load.streams, "tokens": len(recv),
         "tok_s": np.count_nonzero(recv <= start + load.duration_s) / load.duration_s,
         "offered_tok_s": load.streams * 1000 / step_ms,
+        # the worker's clock never catches up: fewer steps than 1000 / step_ms a second means
+        # the machine's cores could not keep it (so fewer tokens were offered)
+        "worker_steps_s": np.count_nonzero((steps >= start) & (steps <= start + load.duration_s))
+        / load.duration_s,
         "tokens_per_message": len(recv) / max(rec.messages, 1),
         "router_us_per_token": 1e6 * cpu["router"] * wall / max(len(recv), 1),
         "router_cpu": cpu["router"], "worker_cpu": cpu["worker"], "client_cpu": cpu["client"],
         "p50_ms": float(p50), "p99_ms": float(p99), "wall_s": wall,
+        "ttft_p50_ms": 1e3 * float(np.median(rec.ttft)) if rec.ttft else 0.0,
         "requests": sum(rec.outcomes.values()), "outcomes": dict(rec.outcomes),
         "errors": dict(rec.errors), "threads": threads,
         "router_rss_mb": sum(psutil.Process(p).memory_info().rss for p in pids["router"]) / 2**20,
     }
 
 
-COLUMNS = ("routers", "front", "streams", "tok_s", "offered_tok_s", "tokens_per_message",
-           "router_us_per_token", "router_cpu",
-           "client_cpu", "worker_cpu", "p50_ms", "p99_ms", "requests", "outcomes", "errors",
+COLUMNS = ("routers", "front", "streams", "tok_s", "offered_tok_s", "worker_steps_s",
+           "tokens_per_message", "router_us_per_token", "router_cpu", "client_cpu",
+           "worker_cpu", "p50_ms", "p99_ms", "ttft_p50_ms", "requests", "outcomes", "errors",
            "threads", "router_rss_mb")
 
 

@@ -24,11 +24,13 @@ from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.router.mailbox import Mailbox
 from pdserve.router.workers import (
     LOAD_TIMEOUT_S,
+    OUTPUTS_CHANNEL_OPTIONS,
     OUTPUTS_SILENCE_S,
     RECONNECT_S,
     RPC_TIMEOUT_S,
     Lost,
     WorkerClient,
+    worker_channel,
 )
 from pdserve.tls import TLSFiles
 
@@ -43,6 +45,7 @@ class DecodeClient(WorkerClient):
             raise ValueError(f"silence_s must be > 0 (seconds), got {silence_s}")
         self.silence_s, self.router_id = silence_s, router_id
         self._stub = worker_pb2_grpc.DecodeWorkerStub(self.channel)
+        self._outputs_channel = worker_channel(address, tls, OUTPUTS_CHANNEL_OPTIONS)
         self._mailboxes: dict[str, Mailbox] = {}
         self._streaming = False  # the current Outputs stream has delivered a message
         self._sent = (0, 0)  # (blocks, requests) the router has sent here, ever
@@ -55,6 +58,7 @@ class DecodeClient(WorkerClient):
 
     async def close(self) -> None:
         await super().close()
+        await self._outputs_channel.close()
         self._fail_all("the router is closing")
 
     @property
@@ -116,8 +120,8 @@ class DecodeClient(WorkerClient):
 
     async def _read_outputs(self) -> None:
         while True:
-            call = self._stub.Outputs(worker_pb2.OutputsRequest(router_id=self.router_id),
-                                      metadata=self.metadata)
+            call = worker_pb2_grpc.DecodeWorkerStub(self._outputs_channel).Outputs(
+                worker_pb2.OutputsRequest(router_id=self.router_id), metadata=self.metadata)
             try:
                 reason = await self._pump(call)
             except grpc.aio.AioRpcError as exc:

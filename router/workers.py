@@ -37,17 +37,21 @@ RPC_TIMEOUT_S = 10.0  # Reserve / Start / Submit: generous, a saturated CPU answ
 OUTPUTS_SILENCE_S = 10.0
 RECONNECT_S = 0.5
 # 64 MiB both ways (a prompt near the public 4 MiB limit grows on its way to a worker); HTTP/2
-# pings every 10 s find a half-open connection or a stopped process within 15 s. A fixed
-# receive window (no BDP growth): when the router falls behind a decode worker's steps, they
-# wait on the worker, which merges them into one message (decode_worker.coalesce), instead of
-# piling up here, megabytes deep, to be read a step at a time.
-RECEIVE_WINDOW_BYTES = 256 * 1024
+# pings every 10 s find a half-open connection or a stopped process within 15 s.
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = MESSAGE_OPTIONS + (
     ("grpc.keepalive_time_ms", 10000),
     ("grpc.keepalive_timeout_ms", 5000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.http2.lookahead_bytes", RECEIVE_WINDOW_BYTES),
+)
+# A decode worker's Outputs stream has a connection of its own with a small fixed receive
+# window (no BDP growth): when the router falls behind the worker's steps they wait on the
+# worker, which merges them into one message (decode_worker.coalesce), instead of piling up
+# here, megabytes deep, to be read a step at a time; and the unary RPCs (Submit, Reserve)
+# never queue behind that backlog in a shared connection window.
+OUTPUTS_WINDOW_BYTES = 32 * 1024
+OUTPUTS_CHANNEL_OPTIONS = CHANNEL_OPTIONS + (
+    ("grpc.http2.lookahead_bytes", OUTPUTS_WINDOW_BYTES),
     ("grpc.http2.bdp_probe", 0),
 )
 _GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED)
@@ -183,15 +187,16 @@ class WorkerClient:
         return True
 
 
-def worker_channel(address: str, tls: TLSFiles | None) -> grpc.aio.Channel:
+def worker_channel(address: str, tls: TLSFiles | None,
+                   options: tuple[tuple[str, int], ...] = CHANNEL_OPTIONS) -> grpc.aio.Channel:
     """The channel to one worker: plaintext, or mutual TLS checking the name WORKER_TLS_NAME."""
     if tls is None:
-        return grpc.aio.insecure_channel(address, options=list(CHANNEL_OPTIONS))
+        return grpc.aio.insecure_channel(address, options=list(options))
     if tls.ca is None:
         raise ValueError("worker-plane TLS is mutual: it needs the CA that signs the workers' "
                          "certificate")
     return grpc.aio.secure_channel(address, tls.channel_credentials(),
-                                   options=[*CHANNEL_OPTIONS, *TLS_CHANNEL_OPTIONS])
+                                   options=[*options, *TLS_CHANNEL_OPTIONS])
 
 
 class PrefillClient(WorkerClient):
