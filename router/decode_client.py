@@ -4,10 +4,10 @@ One task reads the worker's `Outputs` stream (this router's subscription: the wo
 only the requests this router placed, named by `router_id`) and sorts each step's deltas into
 per-request mailboxes; a mailbox lives from `open` (before the request is reserved or
 submitted) to `close_request` (whatever ended the request), so the table holds only requests
-in flight.
+in flight. The stream has a connection of its own (workers.OUTPUTS_CHANNEL_OPTIONS).
 The stream is the worker's heartbeat: a healthy worker sends at least an empty message every
 second, so `silence_s` without any message means a wedged or stopped worker (or a half-open
-connection). Then, as on a broken stream or any `mark_down`, every queued request ends with
+connection). Then, as on a broken stream or any `mark_down`, every open request ends with
 `Lost` at once, and the reader reconnects (within the worker's grace, or it frees this
 router's requests as orphans); the worker is back in rotation once the new stream
 delivers and a load poll answers.
@@ -63,7 +63,7 @@ class DecodeClient(WorkerClient):
 
     @property
     def num_open(self) -> int:
-        """Requests with an output queue here (in flight on this worker)."""
+        """Requests with a mailbox here (in flight on this worker)."""
         return len(self._mailboxes)
 
     def open(self, request_id: str) -> Mailbox:
