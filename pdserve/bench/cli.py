@@ -37,6 +37,9 @@ def add_parser(sub) -> None:
     p.add_argument("--backend", choices=["grpc", "openai"], default="grpc",
                    help="pdserve's gRPC API, or any OpenAI-compatible server's /v1/completions")
     p.add_argument("--address", default=defaults.ROUTER_ADDRESS, help="grpc: the router")
+    p.add_argument("--connections", type=int, default=1,
+                   help="grpc: TCP connections the streams take turns over (as many as the "
+                        "service's --router-processes, or more, to load every router)")
     p.add_argument("--base-url", default=f"http://{defaults.HOST}:{defaults.HTTP_PORT}/v1",
                    help="openai: the API's base URL")
     p.add_argument("--model", default=None, help="openai: the model to ask for (default: the "
@@ -156,7 +159,7 @@ async def _backend(args: argparse.Namespace) -> AsyncIterator[tuple[Send, int]]:
         return
     from pdserve.client import AsyncClient
 
-    async with AsyncClient(args.address, **conn) as client:
+    async with AsyncClient(args.address, connections=args.connections, **conn) as client:
         await client.wait_ready(60)
         yield grpc_send(client), (await client.model_info()).vocab_size
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -41,12 +42,21 @@ class AsyncClient:
     """The same API as Client over grpc.aio: `generate` is an async iterator, the rest awaits."""
 
     def __init__(self, address: str = defaults.ROUTER_ADDRESS, timeout: float | None = None,
-                 api_token: str | None = None, tls: ClientTLS | None = None) -> None:
+                 api_token: str | None = None, tls: ClientTLS | None = None,
+                 connections: int = 1) -> None:
+        """`connections` > 1: that many TCP connections, Generate streams taking turns over
+        them, so a service with several router processes serves this client with all."""
+        if connections < 1:
+            raise ValueError(f"connections must be >= 1, got {connections}")
         self.address = address
         self.timeout = timeout
         self._metadata = auth_metadata(api_token)
-        self._channel = open_channel(address, tls, aio=True)
+        self._channels = [open_channel(address, tls, aio=True, own_connection=connections > 1)
+                          for _ in range(connections)]
+        self._channel = self._channels[0]
         self._stub = pdserve_pb2_grpc.InferenceStub(self._channel)
+        self._stream_stubs = itertools.cycle(
+            [pdserve_pb2_grpc.InferenceStub(c) for c in self._channels])
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def generate(self, prompt: str | Sequence[int] | None = None, *,
@@ -93,7 +103,8 @@ class AsyncClient:
         raise not_ready(self.address, timeout, last)
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._channels:
+            await channel.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -113,7 +124,8 @@ class AsyncClient:
 
     async def _stream(self, request: pdserve_pb2.GenerateRequest,
                       timeout: float | None) -> AsyncIterator[GenerateChunk]:
-        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+        call = next(self._stream_stubs).Generate(request, timeout=timeout,
+                                                 metadata=self._metadata)
         try:
             async for msg in call:
                 yield chunk_from_proto(msg)

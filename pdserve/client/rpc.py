@@ -62,12 +62,17 @@ class ClientTLS:
         return context
 
 
-def open_channel(address: str, tls: ClientTLS | None, aio: bool = False):
-    """A channel to the router: TLS when `tls` is given, plaintext otherwise."""
+def open_channel(address: str, tls: ClientTLS | None, aio: bool = False,
+                 own_connection: bool = False):
+    """A channel to the router: TLS when `tls` is given, plaintext otherwise. `own_connection`:
+    a TCP connection of its own, not one shared with other channels to the same address (the
+    kernel spreads connections, not streams, over `--router-processes`)."""
     kind = grpc.aio if aio else grpc
+    options = [*CHANNEL_OPTIONS, *([("grpc.use_local_subchannel_pool", 1)] if own_connection
+                                   else [])]
     if tls is None:
-        return kind.insecure_channel(address, options=CHANNEL_OPTIONS)
-    return kind.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
+        return kind.insecure_channel(address, options=options)
+    return kind.secure_channel(address, tls.channel_credentials(), options=options)
 
 
 def read_token_file(path: str) -> str:

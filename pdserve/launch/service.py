@@ -240,9 +240,10 @@ class Service:
         """Routers 1..N-1 (`router_processes`), on the ports router 0 bound: it binds first, so
         port 0 (tests) means the same free port for all."""
         from pdserve.launch import router_processes as rp
+        from pdserve.launch.router_count import available_cpus, default_router_processes
 
         s = self.settings
-        count = s.router_processes or rp.default_router_processes(rp.available_cpus())
+        count = s.router_processes or default_router_processes(available_cpus())
         if count == 1:
             return
         spec = replace(spec, port=fronts.server.port,

@@ -25,6 +25,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.launch.router_child import REPORT_S
 from pdserve.llm import LLM
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.metrics_text import sample_value
@@ -316,3 +317,25 @@ def test_an_abort_reaches_the_stream_whichever_process_took_it(service, front):
         assert found
         assert reason == "abort" and len(tokens) < ORPHAN_TOKENS
     wait_until(lambda: _blocks_free(front), 10, "the aborted requests' blocks are free")
+
+
+def test_a_client_with_several_connections_is_served_by_both_processes(service, front, child):
+    """AsyncClient(connections=8), as `pdserve bench --connections 8` uses it: its streams take
+    turns over 8 TCP connections, which the kernel spreads over both router processes."""
+    from pdserve.client import AsyncClient, ClientTLS
+
+    time.sleep(2 * REPORT_S)  # the child's reports of earlier tests' requests are in
+    parent, received = service.router, child.num_received
+    parent_before = parent.num_received
+
+    async def run():
+        async with AsyncClient(front.address, api_token=TOKEN, tls=ClientTLS(ca=front.ca),
+                               connections=8) as client:
+            params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+            return await asyncio.gather(*(client.complete(p, sampling=params)
+                                          for p in _prompts(16, seed=5)))
+
+    done = asyncio.run(run())
+    assert [len(c.token_ids) for c in done] == [2] * 16
+    wait_until(lambda: child.num_received > received, 5, "the child served some of them")
+    assert parent.num_received > parent_before  # and the service process others
