@@ -158,7 +158,12 @@ class Placer:
                 request_id=rid, prompt_token_ids=prompt, sampling=sampling))
             _check(flight)
             return granted
-        prefill, hits = await self.choose_prefill(prompt, lost_prefill)
+        try:
+            prefill, hits = await self.choose_prefill(prompt, lost_prefill)
+        except WorkerLost:  # nothing of this attempt reached the decode worker: nothing to free
+            decode.close_request(rid)
+            flight.decode = None
+            raise
         _check(flight)
         wall_deadline = time.time() + max(deadline - time.monotonic(), 0.0)
         reply = await decode.reserve(worker_pb2.ReserveRequest(
