@@ -23,6 +23,7 @@ from pdserve.cluster_secret import ClusterSecret
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.router.mailbox import Mailbox
 from pdserve.router.workers import (
+    ABORT_MISSES,
     LOAD_TIMEOUT_S,
     OUTPUTS_CHANNEL_OPTIONS,
     OUTPUTS_SILENCE_S,
@@ -96,7 +97,7 @@ class DecodeClient(WorkerClient):
                 worker_pb2.WorkerAbortRequest(request_id=request_id), timeout=LOAD_TIMEOUT_S,
                 metadata=self.metadata)
             return response.found
-        except grpc.aio.AioRpcError:
+        except ABORT_MISSES:
             return False
 
     def note_sent(self, num_blocks: int) -> None:

@@ -55,6 +55,9 @@ OUTPUTS_CHANNEL_OPTIONS = CHANNEL_OPTIONS + (
     ("grpc.http2.bdp_probe", 0),
 )
 _GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED)
+# an Abort that cannot reach the worker frees nothing there: the worker is gone, or (a closed
+# channel) replaced by a restarted process that never held the request
+ABORT_MISSES = (grpc.aio.AioRpcError, grpc.aio.UsageError)
 
 
 class WorkerLost(Exception):
@@ -150,6 +153,9 @@ class WorkerClient:
             return await method(request, timeout=self.rpc_timeout_s, metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
             raise self.error(exc) from None
+        except grpc.aio.UsageError:  # closed: the worker was replaced or removed meanwhile
+            raise WorkerLost(f"{self.role} worker {self.worker_id} was replaced or removed "
+                             "while the request was on it") from None
 
     async def _poll_load(self) -> None:
         while True:
@@ -235,6 +241,6 @@ class PrefillClient(WorkerClient):
             call.cancel()
 
     async def abort(self, request_id: str) -> None:
-        with contextlib.suppress(grpc.aio.AioRpcError):
+        with contextlib.suppress(*ABORT_MISSES):
             await self._stub.Abort(worker_pb2.WorkerAbortRequest(request_id=request_id),
                                    timeout=LOAD_TIMEOUT_S, metadata=self.metadata)
