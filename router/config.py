@@ -17,8 +17,12 @@ class RouterConfig:
     # is down, and every request on it ends UNAVAILABLE
     outputs_silence_s: float = 10.0
     worker_rpc_timeout_s: float = 10.0  # Reserve / Start / Submit; late = retried elsewhere
+    # times a request is moved to another decode worker when its own dies mid-stream
+    migration_limit: int = 1
 
     def __post_init__(self) -> None:
         for name in ("kv_transfer_timeout_s", "outputs_silence_s", "worker_rpc_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 (seconds), got {getattr(self, name)}")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")

@@ -222,7 +222,7 @@ class Service:
             max_queued_requests=s.max_queued_requests,
             kv_transfer_timeout_s=s.kv_transfer_timeout_s,
             max_local_prefill_tokens=s.max_local_prefill_tokens,
-            colocated=s.mode == "colocated",
+            migration_limit=s.migration_limit, colocated=s.mode == "colocated",
         )
         limits = RequestLimits(s.max_stop_strings, s.max_stop_string_chars,
                                s.max_stop_token_ids)

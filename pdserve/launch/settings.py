@@ -97,6 +97,12 @@ class ServeSettings:
     max_local_prefill_tokens: int = _opt(
         256, "a session's decode worker prefills up to this many uncached tokens itself"
     )
+    migration_limit: int = _opt(
+        1, "times a request whose decode worker dies mid-stream is moved to another one "
+        "(its prompt and streamed tokens prefilled again; 0: it fails UNAVAILABLE)")
+    router_only: bool = _opt(
+        False, "serve as one more router of a running deployment (found through --ray-address): "
+        "start no workers, Redis or planner")
     # cluster services
     ray_address: str | None = _opt(None, "existing Ray cluster (default: start a local one)")
     redis_url: str | None = _opt(None, "redis://host:port/db (default: start a bundled one)")
@@ -121,6 +127,8 @@ class ServeSettings:
         if self.router_processes is not None and self.router_processes < 1:
             raise ValueError(f"router_processes must be >= 1 (or unset: by the cores), got "
                              f"{self.router_processes}")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.mode not in ("disaggregated", "colocated"):
