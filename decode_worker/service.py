@@ -72,10 +72,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             request.request_id, list(request.prompt_token_ids),
             sampling_from_proto(request.sampling, default_max_tokens=1),
             [Endpoint(s.host, s.port, s.rank) for s in request.sources], request.deadline,
+            request.num_output_tokens,
         ))
         if descriptor is None:
             return worker_pb2.ReserveResponse(granted=False)
-        return worker_pb2.ReserveResponse(granted=True, descriptor=descriptor.encode())
+        return worker_pb2.ReserveResponse(granted=True, descriptor=descriptor.encode(),
+                                          num_cached_blocks=descriptor.first_block)
 
     def Start(self, request, context):
         logprobs = logprobs_from_proto(request.logprob) if request.HasField("logprob") else None
@@ -87,6 +89,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         granted = self._owned(context, request, lambda: self.worker.submit(
             request.request_id, list(request.prompt_token_ids),
             sampling_from_proto(request.sampling, default_max_tokens=1),
+            request.num_output_tokens,
         ))
         return worker_pb2.SubmitResponse(granted=granted)
 

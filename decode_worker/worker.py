@@ -33,7 +33,7 @@ from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.loop import EngineLoop, LoopClosedError
 from pdserve.engine.models.parallel import TensorParallel
 from pdserve.engine.plan_broadcast import IdleBeat
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request import Request, RequestStatus, check_num_prior_output_tokens
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_output import TokenLogprobs
 from pdserve.engine.wire import check_logprobs, check_prompt, check_request_id, check_token_id
@@ -87,10 +87,13 @@ class DecodeWorker:
         params: SamplingParams,
         sources: Sequence[Endpoint],
         deadline: float,
+        num_output_tokens: int = 0,
     ) -> TransferDescriptor | None:
         """Hold blocks for the prompt's KV; the descriptor to push into, or None if full.
-        The deadline is capped at now + max_reservation_s."""
+        The deadline is capped at now + max_reservation_s. `num_output_tokens`: the prompt's
+        tail a migrated request generated elsewhere (seeded sampling continues after it)."""
         prompt = self._checked_prompt(request_id, prompt_token_ids)
+        num_output_tokens = check_num_prior_output_tokens(num_output_tokens, len(prompt))
         if not sources:
             raise ValueError("sources must name the prefill worker's ranks")
         if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not (
@@ -98,7 +101,8 @@ class DecodeWorker:
             raise ValueError(f"deadline must be a finite time.time() number, got {deadline!r}")
         deadline = min(float(deadline), time.time() + self.max_reservation_s)
         request = Request(request_id, prompt, params, self.config.model.eos_token_ids,
-                          kv_transfer=RemotePrefill(tuple(sources), deadline))
+                          kv_transfer=RemotePrefill(tuple(sources), deadline),
+                          num_prior_output_tokens=num_output_tokens)
         return self._loop.call(lambda: self.core.reserve_remote(request))
 
     def start(
@@ -114,10 +118,13 @@ class DecodeWorker:
         self._loop.call(lambda: self._start(request_id, first_token, logprobs))
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int],
-               params: SamplingParams) -> bool:
-        """Prefill and decode here (prefix cache first); False, holding nothing, when full."""
+               params: SamplingParams, num_output_tokens: int = 0) -> bool:
+        """Prefill and decode here (prefix cache first); False, holding nothing, when full.
+        `num_output_tokens` as for `reserve`."""
         prompt = self._checked_prompt(request_id, prompt_token_ids)
-        request = Request(request_id, prompt, params, self.config.model.eos_token_ids)
+        num_output_tokens = check_num_prior_output_tokens(num_output_tokens, len(prompt))
+        request = Request(request_id, prompt, params, self.config.model.eos_token_ids,
+                          num_prior_output_tokens=num_output_tokens)
         return self._loop.call(lambda: self._submit(request))
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:

@@ -32,14 +32,19 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, ())]
 
-    def find_cached_prefix(self, request: Request) -> list[Block]:
-        """Leading blocks of the request already cached (no reference taken yet).
+    def find_cached_prefix(self, request: Request, num_tokens: int | None = None) -> list[Block]:
+        """Leading blocks of the request already cached (no reference taken yet), among its
+        first `num_tokens` tokens (default: all of them; a remote reservation looks at its
+        prompt only).
 
-        At least the last token is always recomputed, so the sampler has its logits.
+        At least the last token is always recomputed, so the sampler has its logits; for
+        remote KV that is also what keeps a transfer from being empty.
         """
         if not self.enable_prefix_caching:
             return []
         tokens = request.all_token_ids
+        if num_tokens is not None:
+            tokens = tokens[:num_tokens]
         hashes = self._chain(request, tokens)
         max_blocks = (len(tokens) - 1) // self.block_size
         hits: list[Block] = []

@@ -68,7 +68,9 @@ class KVConnector(abc.ABC):
     @abc.abstractmethod
     def reserve(self, request: Request, block_ids: Sequence[int]) -> object:
         """`block_ids` are held for `request`, whose prompt KV comes from elsewhere
-        (`request.kv_transfer` says from where, and by when). Returns what the sender pushes
+        (`request.kv_transfer` says from where, and by when); its first
+        `request.num_cached_tokens` tokens (whole blocks) are this worker's prefix-cache hits,
+        shared with other requests, and need no KV from elsewhere. Returns what the sender pushes
         into; raises ValueError to refuse (the scheduler then frees the blocks)."""
 
     @abc.abstractmethod

@@ -52,6 +52,9 @@ class Request:
     # What the KV connector needs to move this request's KV, opaque to the engine: where a
     # reserved prompt's KV comes from (decode), or where a prompt's KV goes (prefill).
     kv_transfer: object | None = None
+    # A request moved here from a worker that died: the prompt's last this-many tokens were
+    # generated there, so its seeded sampler skips that many draws (the stream continues)
+    num_prior_output_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -72,6 +75,11 @@ class Request:
         tail = self.output_token_ids[max(start - num_prompt, 0) : max(end - num_prompt, 0)]
         return head + tail
 
+    @property
+    def num_sampled_tokens(self) -> int:
+        """Tokens sampled for this request so far, here and on the worker it came from."""
+        return self.num_prior_output_tokens + len(self.output_token_ids)
+
     def stop_status(self, token_id: int, max_model_len: int) -> RequestStatus | None:
         """Whether appending `token_id` (already appended) ends the request, and how."""
         params = self.sampling_params
@@ -84,3 +92,13 @@ class Request:
         if len(self.output_token_ids) >= params.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def check_num_prior_output_tokens(value: object, num_prompt_tokens: int) -> int:
+    """A migrated request's generated tail, as the wire's `num_output_tokens` gives it: an
+    integer in [0, prompt length), the prompt keeping at least one token of its own."""
+    if isinstance(value, bool) or not isinstance(value, int) or not (
+            0 <= value < num_prompt_tokens):
+        raise ValueError(f"num_output_tokens must be an integer in [0, {num_prompt_tokens}) "
+                         f"(the prompt's tail the request generated elsewhere), got {value!r}")
+    return value

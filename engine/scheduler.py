@@ -94,7 +94,9 @@ class Scheduler:
         the connector's descriptor of the transfer.
 
         Admission is memory reservation: None (nothing held) when the pool or
-        `max_num_seqs` cannot take the request now.
+        `max_num_seqs` cannot take the request now. Leading prompt blocks already in the
+        prefix cache are shared, not reserved anew: `num_cached_tokens` tells the connector
+        they need no KV from elsewhere.
         """
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
@@ -102,14 +104,18 @@ class Scheduler:
             raise ValueError("this engine has no KV connector: it cannot take remote KV")
         if len(self.running) + self.num_remote >= self.config.max_num_seqs:
             return None
-        if not self.kv_cache.allocate(request, request.num_prompt_tokens):
+        hits = self.kv_cache.find_cached_prefix(request, request.num_prompt_tokens)
+        num_hit = len(hits) * self.kv_cache.block_size
+        if not self.kv_cache.allocate(request, request.num_prompt_tokens - num_hit, hits):
             return None
+        request.num_cached_tokens = num_hit
         block_ids = self.kv_cache.block_ids(request.request_id)
         try:
             descriptor = self.connector.reserve(request, block_ids)
         except BaseException:
             self.kv_cache.forget(request)
             raise
+        self.stats.num_cached_tokens += num_hit
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
         return descriptor
@@ -253,7 +259,7 @@ class Scheduler:
                     num_computed_tokens=start,
                     block_ids=tuple(self.kv_cache.block_ids(request.request_id)),
                     sampling_params=request.sampling_params if samples else None,
-                    num_output_tokens=len(request.output_token_ids),
+                    num_output_tokens=request.num_sampled_tokens,
                     kv_transfer=request.kv_transfer if completes_prompt else None,
                 )
             )

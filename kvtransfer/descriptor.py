@@ -5,6 +5,9 @@ descriptor to the router, which passes it to the prefill worker. It names every 
 sides, each destination rank's block ids and KV-head range, the layout id both ends must share
 and an absolute deadline (`time.time()` seconds: hosts must keep their clocks NTP-synced).
 
+`first_block` = k: the decode side's prefix cache holds the prompt's first k blocks (shared:
+no descriptor names them, so no push reaches them); `block_ids` are blocks k, k+1, ... only.
+
 Encoding: strict JSON, never pickle. The descriptor is a control-plane message of variable
 length (one block id per 16 tokens) that crosses Ray and gRPC as bytes and lands in logs, so
 a self-describing text form is worth its size (~1 KiB for a 2k-token prompt). Safety comes
@@ -27,7 +30,7 @@ from pdserve.kvtransfer.layout import LAYOUT_ID_BYTES, KVLayout
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: first_block
 TRANSFER_ID_BYTES = 16
 MAX_ENCODED_BYTES = 1 << 20
 MAX_RANKS = 64
@@ -102,6 +105,7 @@ class TransferDescriptor:
     sources: tuple[Endpoint, ...]  # prefill ranks, index = TP rank
     destinations: tuple[DestinationShard, ...]  # decode ranks, index = TP rank
     deadline: float  # absolute time.time() seconds
+    first_block: int = 0  # the request's blocks before this one the decode side holds already
 
     def __post_init__(self) -> None:
         if not isinstance(self.transfer_id, bytes) or len(self.transfer_id) != TRANSFER_ID_BYTES:
@@ -114,6 +118,7 @@ class TransferDescriptor:
         if not isinstance(self.layout_id, bytes) or len(self.layout_id) != LAYOUT_ID_BYTES:
             raise DescriptorError(f"layout_id must be {LAYOUT_ID_BYTES} bytes")
         self._check_ranks()
+        _int(self.first_block, "first_block", 0, MAX_BLOCKS - self.num_pushed_blocks)
         if type(self.deadline) is not float or not math.isfinite(self.deadline) or (
                 self.deadline <= 0):
             raise DescriptorError(f"deadline must be a finite time.time() float, "
@@ -141,17 +146,33 @@ class TransferDescriptor:
     def new(
         cls, request_id: str, layout: KVLayout, sources: Sequence[Endpoint],
         destinations: Sequence[tuple[Endpoint, Sequence[int]]], deadline: float,
+        first_block: int = 0,
     ) -> TransferDescriptor:
-        """A fresh descriptor with a new random transfer id; head ranges from the layout."""
+        """A fresh descriptor (new random transfer id, head ranges from the layout) whose
+        `destinations` name the request's blocks from `first_block` on."""
         ranges = layout.head_ranges(len(destinations))
         shards = tuple(DestinationShard(ep, tuple(int(b) for b in ids), h0, h1)
                        for (ep, ids), (h0, h1) in zip(destinations, ranges, strict=True))
         return cls(new_transfer_id(), request_id, layout.layout_id, tuple(sources), shards,
-                   float(deadline))
+                   float(deadline), first_block)
 
     @property
     def num_blocks(self) -> int:
+        """Every block of the request on the decode side: held already, then pushed."""
+        return self.first_block + self.num_pushed_blocks
+
+    @property
+    def num_pushed_blocks(self) -> int:
+        """Blocks the prefill side sends: the request's blocks [first_block, num_blocks)."""
         return len(self.destinations[0].block_ids)
+
+    def pushed_nbytes(self, layout: KVLayout) -> int:
+        """KV bytes the prefill side sends (every layer, every KV head: all ranks together)."""
+        return self.num_pushed_blocks * _request_block_nbytes(layout)
+
+    def skipped_nbytes(self, layout: KVLayout) -> int:
+        """KV bytes not sent because the decode side held those blocks already."""
+        return self.first_block * _request_block_nbytes(layout)
 
     def check_layout(self, layout: KVLayout) -> None:
         """Raise ValueError unless this descriptor was made for `layout`."""
@@ -177,6 +198,7 @@ class TransferDescriptor:
                 for d in self.destinations
             ],
             "deadline": self.deadline,
+            "first_block": self.first_block,
         }
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
@@ -184,10 +206,12 @@ class TransferDescriptor:
     def decode(cls, data: bytes | str) -> TransferDescriptor:
         """Parse and validate an encoded descriptor; raises DescriptorError (a ValueError)."""
         doc = _load_json(data)
+        if isinstance(doc, dict) and (type(doc.get("v")) is not int
+                                      or doc["v"] != FORMAT_VERSION):
+            raise DescriptorError(f"descriptor version must be {FORMAT_VERSION}, got "
+                                  f"{doc.get('v')!r:.20}: both ends must run the same release")
         _keys(doc, {"v", "transfer_id", "request_id", "layout_id", "sources", "destinations",
-                    "deadline"}, "descriptor")
-        if doc["v"] != FORMAT_VERSION or type(doc["v"]) is not int:
-            raise DescriptorError(f"descriptor version must be {FORMAT_VERSION}, got {doc['v']!r}")
+                    "deadline", "first_block"}, "descriptor")
         deadline = doc["deadline"]
         if type(deadline) not in (int, float) or not -1e300 < deadline < 1e300:
             raise DescriptorError(f"deadline must be a time.time() number, got {deadline!r:.40}")
@@ -198,7 +222,13 @@ class TransferDescriptor:
             tuple(_endpoint(s) for s in _list(doc["sources"], MAX_RANKS, "sources")),
             tuple(_shard(d) for d in _list(doc["destinations"], MAX_RANKS, "destinations")),
             float(deadline),
+            doc["first_block"],  # its type and bounds are checked by __post_init__
         )
+
+
+def _request_block_nbytes(layout: KVLayout) -> int:
+    """K and V bytes of one request block over every layer and every KV head."""
+    return layout.num_layers * layout.block_nbytes(layout.num_kv_heads)
 
 
 def new_transfer_id() -> bytes:

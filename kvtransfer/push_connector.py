@@ -2,7 +2,8 @@
 
 A request's destination travels with it (`Request.kv_transfer`: the TransferDescriptor the
 decode side reserved). The step that computes a prompt's last token pushes every block the
-decode side reserved (prefix-cache hits included), layer by layer while later layers still
+decode side reserved (this side's prefix-cache hits included), but not those the decode side
+held already (the descriptor's `first_block`), layer by layer while later layers still
 compute: all requests of the step going to one decode rank travel as one message per layer.
 
 The step's push (`_Push`) is the connector's only record of a transfer on this side, and it
@@ -82,7 +83,9 @@ class KVPushConnector(KVConnector):
             if not isinstance(entry.kv_transfer, TransferDescriptor):
                 raise ValueError(f"{entry.request_id}: kv_transfer must be the decode side's "
                                  f"TransferDescriptor, got {type(entry.kv_transfer).__name__}")
-        plans = self._sender().plan([(e.kv_transfer, e.block_ids) for e in finals])
+        # the decode side holds the request's blocks before first_block: only the rest goes
+        plans = self._sender().plan([(e.kv_transfer, e.block_ids[e.kv_transfer.first_block:])
+                                     for e in finals])
         self._push = _Push(plans, {e.request_id: e.kv_transfer for e in finals})
 
     def save_kv_layer(self, layer: int) -> None:
@@ -141,9 +144,8 @@ class KVPushConnector(KVConnector):
 
     def _result(self, desc: TransferDescriptor, seconds: float,
                 error: TransferError | None) -> KVSaveResult:
-        layout = self.layout
-        nbytes = desc.num_blocks * layout.num_layers * layout.block_nbytes(layout.num_kv_heads)
-        return KVSaveResult(nbytes, seconds, None if error is None else str(error))
+        return KVSaveResult(desc.pushed_nbytes(self.layout), seconds,
+                            None if error is None else str(error))
 
     def _sender(self) -> KVSender:
         assert self.sender is not None, "register_kv_caches comes first"

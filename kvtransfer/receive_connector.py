@@ -5,7 +5,9 @@ owned here from `reserve` until the request is admitted, fails, expires or ends.
 receiver's Reservation (kvtransfer.reservation) is the data plane's view of the same
 transfer (which cells have landed), internal to it.
 
-    reserve(request, block_ids)   a descriptor for those blocks; every rank expects it
+    reserve(request, block_ids)   a descriptor for those blocks; every rank expects it. The
+                                  first request.num_cached_tokens of them are this worker's
+                                  prefix-cache hits: the descriptor's first_block skips them
     start(request_id, token)      the first token, sampled by prefill
     poll()                        ready: landed on every rank and its first token known;
                                   failed: the transfer failed, or its deadline passed first
@@ -89,9 +91,10 @@ class KVReceiveConnector(KVConnector):
         if not isinstance(remote, RemotePrefill):
             raise ValueError(f"{request.request_id}: a reservation needs kv_transfer="
                              f"RemotePrefill(sources, deadline), got {type(remote).__name__}")
+        skip = self._num_held_blocks(request, len(block_ids))
         descriptor = TransferDescriptor.new(
             request.request_id, self.layout, remote.sources,
-            [(ep, block_ids) for ep in self.endpoints], remote.deadline,
+            [(ep, block_ids[skip:]) for ep in self.endpoints], remote.deadline, skip,
         )
         self._receiver().expect(descriptor)
         if self.tp.size > 1:
@@ -156,6 +159,18 @@ class KVReceiveConnector(KVConnector):
             self._listener.close()
 
     # ---- internals ----
+
+    def _num_held_blocks(self, request: Request, num_blocks: int) -> int:
+        """Leading blocks whose KV this worker holds already (prefix-cache hits, counted by
+        the scheduler into num_cached_tokens): shared with other requests, so no push may
+        land in them, and they are not asked for."""
+        cached, block_size = max(request.num_cached_tokens, 0), self.layout.block_size
+        need = -(-request.num_prompt_tokens // block_size)
+        if num_blocks != need or cached % block_size or cached >= request.num_prompt_tokens:
+            raise ValueError(f"{request.request_id}: {num_blocks} blocks with {cached} cached "
+                             f"tokens don't hold a {request.num_prompt_tokens}-token prompt "
+                             f"(want {need} blocks and fewer cached tokens, whole blocks)")
+        return cached // block_size
 
     def _landed_or_failed(self) -> dict[str, str]:
         """Mark what landed on this rank; returns what failed, by request id."""

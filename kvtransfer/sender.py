@@ -124,8 +124,8 @@ class KVSender:
         block_offsets: Sequence[int] | None = None,
     ) -> list[PushPlan]:
         """Group a batch by destination rank. `transfers[i]` = (descriptor, this rank's block
-        ids of that request); `block_offsets[i]` = index of its first block in the reservation
-        (chunked prefill pushes a request in pieces)."""
+        ids of that request from the descriptor's first_block on); `block_offsets[i]` = index
+        of its first block in the reservation (chunked prefill pushes a request in pieces)."""
         offsets = block_offsets or [0] * len(transfers)
         groups: dict[tuple, list[tuple[TransferDescriptor, Sequence[int], int]]] = {}
         for (desc, src), offset in zip(transfers, offsets, strict=True):
@@ -222,9 +222,10 @@ class KVSender:
             raise ValueError(f"descriptor of {desc.request_id!r} names sources "
                              f"{[s.key for s in desc.sources]}; this sender is "
                              f"{self.source.key} of a TP={self.source_tp} group")
-        if not src or offset < 0 or offset + len(src) > desc.num_blocks:
+        if not src or offset < 0 or offset + len(src) > desc.num_pushed_blocks:
             raise ValueError(f"blocks [{offset}, {offset + len(src)}) of {desc.request_id!r} "
-                             f"don't fit its {desc.num_blocks} reserved blocks")
+                             f"don't fit the {desc.num_pushed_blocks} blocks it reserved to "
+                             f"receive (after the {desc.first_block} the decode side holds)")
         num_blocks = self.kv_caches[0][0].shape[0]
         if any(not 0 <= int(b) < num_blocks for b in src):
             raise ValueError(f"source block ids of {desc.request_id!r} must be in "

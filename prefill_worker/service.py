@@ -60,7 +60,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         try:
             descriptor = TransferDescriptor.decode(request.descriptor)
             params = sampling_from_proto(request.sampling, default_max_tokens=1)
-            future = self.worker.prefill(rid, list(request.prompt_token_ids), params, descriptor)
+            future = self.worker.prefill(rid, list(request.prompt_token_ids), params, descriptor,
+                                         request.num_output_tokens)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RuntimeError as exc:  # closed, or its loop died
@@ -77,6 +78,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         response = worker_pb2.PrefillResponse(
             first_token_id=result.first_token, num_cached_tokens=result.num_cached_tokens,
             transfer_bytes=result.transfer_bytes, transfer_s=result.transfer_s,
+            skipped_bytes=descriptor.skipped_nbytes(self.worker.layout),  # decode held them
         )
         if result.logprobs is not None:
             response.logprob.CopyFrom(logprobs_to_proto(result.logprobs))

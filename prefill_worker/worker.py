@@ -26,7 +26,7 @@ from concurrent.futures import Future
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.loop import EngineLoop, LoopClosedError
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request import Request, RequestStatus, check_num_prior_output_tokens
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_output import EngineCoreOutput, TokenLogprobs
 from pdserve.engine.wire import check_prompt, check_request_id
@@ -93,13 +93,17 @@ class PrefillWorker:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         descriptor: TransferDescriptor,
+        num_output_tokens: int = 0,
     ) -> Future[PrefillResult]:
         """Queue a prompt; the future gives its first token once its KV has been pushed.
-        ValueError (now, or from the future for a request_id already in flight) names a bad
-        field; the future's other failures are the exception types above."""
+        `num_output_tokens`: the prompt's tail a migrated request generated elsewhere (its
+        seeded sampling continues after it). ValueError (now, or from the future for a
+        request_id already in flight) names a bad field; the future's other failures are the
+        exception types above."""
         check_request_id(request_id)
         model = self.config.model
         prompt = check_prompt(prompt_token_ids, model.vocab_size, model.max_model_len)
+        num_output_tokens = check_num_prior_output_tokens(num_output_tokens, len(prompt))
         if descriptor.request_id != request_id:
             raise ValueError(f"descriptor is for request {descriptor.request_id!r}, "
                              f"not {request_id!r}")
@@ -115,7 +119,8 @@ class PrefillWorker:
             )
         first_token_only = dataclasses.replace(params, max_tokens=1, stop=())
         request = Request(request_id, prompt, first_token_only,
-                          self.config.model.eos_token_ids, kv_transfer=descriptor)
+                          self.config.model.eos_token_ids, kv_transfer=descriptor,
+                          num_prior_output_tokens=num_output_tokens)
         result: Future[PrefillResult] = Future()
         try:
             added = self._loop.submit(lambda: self._add(request, result))

@@ -137,8 +137,9 @@ class DecodeClient(WorkerClient):
     async def _pump(self, call) -> str:
         """Sort the stream's deltas until it ends or falls silent; why it stopped."""
         while True:
-            try:
-                step = await asyncio.wait_for(call.read(), self.silence_s)
+            try:  # not wait_for: on 3.11 it can drop a cancel that lands as a read completes
+                async with asyncio.timeout(self.silence_s):
+                    step = await call.read()
             except TimeoutError:
                 return f"output stream silent for {self.silence_s:g} s"
             if step is grpc.aio.EOF:

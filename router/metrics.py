@@ -51,6 +51,8 @@ REQUEST_STATUSES: tuple[str, ...] = (
     "error",
 )
 
+MIGRATION_OUTCOMES: tuple[str, ...] = ("ok", "failed")
+
 
 def _check_non_negative(**values: float) -> None:
     for name, value in values.items():
@@ -105,6 +107,11 @@ class RouterMetrics:
         self.transfer_bytes = Counter(
             "pdserve_kv_transfer_bytes", "KV cache bytes shipped prefill->decode.", registry=reg
         )
+        self.transfer_skipped_bytes = Counter(
+            "pdserve_kv_transfer_skipped_bytes",
+            "KV cache bytes not shipped: the decode worker's prefix cache held those blocks.",
+            registry=reg,
+        )
         self.requests = Counter(
             "pdserve_requests", "Finished requests by status.", ["status"], registry=reg
         )
@@ -126,6 +133,12 @@ class RouterMetrics:
             "Prompt tokens found in a prefix cache.",
             registry=reg,
         )
+        self.migrations = Counter(
+            "pdserve_router_migrations", "Requests moved to another decode worker after theirs "
+            "died mid-stream, by outcome (failed: no decode worker could take it).",
+            ["outcome"], registry=reg)
+        for outcome in MIGRATION_OUTCOMES:
+            self.migrations.labels(outcome)
 
     def _build_gauges(self) -> None:
         reg = self.registry
@@ -183,15 +196,23 @@ class RouterMetrics:
         _check_non_negative(seconds=seconds)
         self.e2e.observe(seconds)
 
-    def observe_transfer(self, num_bytes: int, seconds: float) -> None:
-        _check_non_negative(num_bytes=num_bytes, seconds=seconds)
+    def observe_transfer(self, num_bytes: int, seconds: float, skipped_bytes: int = 0) -> None:
+        """One KV transfer: `num_bytes` shipped in `seconds`, `skipped_bytes` left out because
+        the decode worker held them already."""
+        _check_non_negative(num_bytes=num_bytes, seconds=seconds, skipped_bytes=skipped_bytes)
         self.transfer_bytes.inc(num_bytes)
+        self.transfer_skipped_bytes.inc(skipped_bytes)
         self.transfer_latency.observe(seconds)
 
     def count_request(self, status: str) -> None:
         if status not in REQUEST_STATUSES:
             raise ValueError(f"status must be one of {REQUEST_STATUSES}, got {status!r}")
         self.requests.labels(status).inc()
+
+    def count_migration(self, outcome: str) -> None:
+        if outcome not in MIGRATION_OUTCOMES:
+            raise ValueError(f"outcome must be one of {MIGRATION_OUTCOMES}, got {outcome!r}")
+        self.migrations.labels(outcome).inc()
 
     def count_tokens(self, prompt: int, generated: int, cached: int) -> None:
         """Prompt and generated tokens of one request; `cached` of its prompt tokens were hits

@@ -84,10 +84,12 @@ class Placer:
         self.config, self.metrics, self.store = config, metrics, store
         self.prefill, self.decode = prefill, decode
 
-    async def place(self, req: ValidRequest, flight: Flight) -> Placement:
+    async def place(self, req: ValidRequest, flight: Flight,
+                    avoid: frozenset[str] = frozenset()) -> Placement:
         """Start the request on some worker(s); its placement. Aborted, NoCapacity,
         InvalidArgument or WorkerLost when it can't be. Whatever raises leaves `flight`
-        naming the decode worker of the last attempt (the caller releases it)."""
+        naming the decode worker of the last attempt (the caller releases it). `avoid`:
+        decode workers that failed this request mid-stream (a migration), never chosen."""
         session = None
         if req.session_id and self.store is not None:
             session = await self.store.get_session(req.session_id)
@@ -97,9 +99,9 @@ class Placer:
         failures: list[WorkerLost] = []
         for delay in _backoff():
             _check(flight)
-            decode = self._choose_decode(req, session, excluded)
+            decode = self._choose_decode(req, session, excluded | avoid)
             if decode is None:
-                self._check_room(deadline)
+                self._check_room(deadline, avoid)
                 excluded.clear()
                 await asyncio.sleep(delay)
                 continue
@@ -120,9 +122,9 @@ class Placer:
             flight.decode = None
         raise AssertionError("unreachable")
 
-    def _check_room(self, deadline: float) -> None:
+    def _check_room(self, deadline: float, avoid: frozenset[str] = frozenset()) -> None:
         """No decode worker took the request: why it can't wait for one, if it can't."""
-        if not any(c.in_rotation for c in self.decode.values()):
+        if not any(c.in_rotation and c.worker_id not in avoid for c in self.decode.values()):
             raise WorkerLost("no decode worker is up")
         if time.monotonic() > deadline:
             raise NoCapacity("every decode worker's KV cache is full; retry later")
@@ -155,7 +157,8 @@ class Placer:
         if self.config.colocated or placement.session_hit and prefill_locally(
                 len(prompt), placement.session_hit, self.config.max_local_prefill_tokens):
             granted = await decode.submit(worker_pb2.SubmitRequest(
-                request_id=rid, prompt_token_ids=prompt, sampling=sampling))
+                request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                num_output_tokens=req.num_output_tokens))
             _check(flight)
             return granted
         try:
@@ -168,12 +171,14 @@ class Placer:
         wall_deadline = time.time() + max(deadline - time.monotonic(), 0.0)
         reply = await decode.reserve(worker_pb2.ReserveRequest(
             request_id=rid, prompt_token_ids=prompt, sampling=sampling,
-            sources=[prefill.source], deadline=wall_deadline))
+            sources=[prefill.source], deadline=wall_deadline,
+            num_output_tokens=req.num_output_tokens))
         _check(flight)
         if not reply.granted:
             return False
         request = worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt,
-                                            sampling=sampling, descriptor=reply.descriptor)
+                                            sampling=sampling, descriptor=reply.descriptor,
+                                            num_output_tokens=req.num_output_tokens)
         placement.prefill = await self._prefill(flight, prefill, request, len(prompt) - hits,
                                                 deadline)
         _check(flight)
@@ -204,7 +209,7 @@ class Placer:
         if first.HasField("logprob"):
             start.logprob.CopyFrom(first.logprob)
         await decode.start_request(start)
-        self.metrics.observe_transfer(first.transfer_bytes, first.transfer_s)
+        self.metrics.observe_transfer(first.transfer_bytes, first.transfer_s, first.skipped_bytes)
 
     def _choose_decode(self, req: ValidRequest, session: Session | None,
                        excluded: set[str]) -> DecodeClient | None:

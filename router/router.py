@@ -3,17 +3,22 @@
 Per request: wait for an admission slot, let the `Placer` start it on a decode worker (and a
 prefill worker, unless the decode worker prefills it itself), then stream the decode
 worker's deltas as GenerateResponse messages (`ResponseStream`: detokenized, cut at stop
-strings). Whatever ends a request (finish, stop string, client cancel, deadline, Abort, a
-worker failure) frees its blocks on every worker that held any. The router also keeps the
-table of workers: registered, replaced after a restart, drained, marked down; it talks to
-them with the cluster secret on every RPC, over mutual TLS when `worker_tls` is given (see
-pdserve.worker_grpc: one certificate named WORKER_TLS_NAME for the whole worker plane).
+strings). A decode worker that dies mid-stream (its output stream lost, or the request ended
+with an error) has the request migrated: placed again, up to `migration_limit` times, with
+what was streamed as its prompt's tail (seeded sampling continues after it), and the same
+stream goes on from there: no token lost or repeated. Whatever ends a request (finish, stop
+string, client cancel, deadline, Abort, a worker failure) frees its blocks on every worker
+that held any. The router also keeps the table of workers: registered, replaced after a
+restart, drained, marked down; it talks to them with the cluster secret on every RPC, over
+mutual TLS when `worker_tls` is given (see pdserve.worker_grpc: one certificate named
+WORKER_TLS_NAME for the whole worker plane).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -26,12 +31,14 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.decode_client import DecodeClient
 from pdserve.router.flight import Flight, Placement
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.placement import Aborted, Placer
+from pdserve.router.placement import Aborted, NoCapacity, Placer
 from pdserve.router.store import RedisStore
-from pdserve.router.stream import ResponseStream
+from pdserve.router.stream import ResponseStream, WorkerFailed
 from pdserve.router.validation import InvalidArgument, ModelContext, ValidRequest
-from pdserve.router.workers import PrefillClient, WorkerClient
+from pdserve.router.workers import PrefillClient, WorkerClient, WorkerLost
 from pdserve.tls import TLSFiles
+
+logger = logging.getLogger(__name__)
 
 # a request_id reused right after a cancel: the old request is on its way out, wait for it
 REUSE_GRACE_S = 1.0
@@ -104,7 +111,8 @@ class Router:
                 client in (f.decode, f.prefill) for f in self.flights.values()):
             await asyncio.sleep(0.1)
         await drained
-        del pool[worker_id]
+        if pool.get(worker_id) is client:  # not a client registered anew meanwhile
+            del pool[worker_id]
         await client.close()
 
     def mark_down(self, worker_id: str) -> None:
@@ -158,9 +166,8 @@ class Router:
                     return
                 stream = ResponseStream(req, self.model.tokenizer, placement, received, queued_s,
                                         self.metrics)
-                async for message in stream.run(flight):
+                async for message in self._stream(req, flight, stream):
                     yield message
-                self._after(req, placement, stream)
         finally:
             del self.flights[req.request_id]
             flight.ended.set()
@@ -168,6 +175,56 @@ class Router:
                 flight.decode.close_request(flight.worker_request_id)
             if not flight.done:
                 self._spawn(self._release(flight))
+
+    async def _stream(self, req: ValidRequest, flight: Flight,
+                      stream: ResponseStream) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+        """The stream's messages, the request migrated whenever its decode worker fails it
+        mid-stream and the limit allows; WorkerLost / WorkerFailed when it does not."""
+        failed: set[str] = set()  # decode workers that failed this request
+        while True:
+            try:
+                async for message in stream.run(flight):
+                    yield message
+                self._after(req, stream)
+                return
+            except (WorkerLost, WorkerFailed) as exc:
+                if stream.num_migrations >= self.config.migration_limit or len(
+                        stream.token_ids) >= req.params.max_tokens:
+                    raise
+                failure = exc
+            try:
+                placement = await self._migrate(req, flight, stream, failure, failed)
+            except Aborted:
+                yield stream.aborted()
+                return
+            stream.resume(placement)
+
+    async def _migrate(self, req: ValidRequest, flight: Flight, stream: ResponseStream,
+                       failure: Exception, failed: set[str]) -> Placement:
+        """Free the failed attempt and place the request again, what was streamed as its
+        prompt's tail. Aborted; WorkerLost (naming both failures) when nothing can take it."""
+        old, old_id = flight.decode, flight.worker_request_id
+        if old is not None:
+            failed.add(old.worker_id)
+            old.close_request(old_id)
+            if not flight.done:  # marked down need not be dead: it frees what it still holds
+                self._spawn(old.abort(old_id))
+        flight.decode, flight.done = None, False  # from here the flight names the new attempt
+        if flight.aborted:
+            raise Aborted
+        logger.warning("%s: decode worker %s failed it after %d tokens (%s); migrating it "
+                       "(%d of at most %d)", req.request_id, old.worker_id if old else "?",
+                       len(stream.token_ids), failure, stream.num_migrations + 1,
+                       self.config.migration_limit)
+        try:
+            placement = await self.placer.place(req.continued(stream.token_ids), flight,
+                                                frozenset(failed))
+        except (WorkerLost, NoCapacity, InvalidArgument) as exc:
+            self.metrics.count_migration("failed")
+            raise WorkerLost(f"{failure}; no other decode worker took the request: "
+                             f"{exc}") from None
+        self.metrics.count_migration("ok")
+        return placement
 
     async def _wait_reusable(self, request_id: str) -> None:
         """InvalidArgument if `request_id` is still in flight after REUSE_GRACE_S."""
@@ -192,11 +249,13 @@ class Router:
             await flight.decode.abort(flight.worker_request_id)  # the stream ends with "abort"
         return True
 
-    def _after(self, req: ValidRequest, placement: Placement, stream: ResponseStream) -> None:
+    def _after(self, req: ValidRequest, stream: ResponseStream) -> None:
+        """The session's history: the client's prompt and every token streamed, on the decode
+        worker that holds them (after a migration, the last one)."""
         if req.session_id and self.store is not None:
             history = list(req.prompt_token_ids) + stream.token_ids
             self._spawn(self.store.put_session(req.session_id, history,
-                                               placement.decode.worker_id))
+                                               stream.placement.decode.worker_id))
 
     async def _release(self, flight: Flight) -> None:
         """A request that ended early: free what any worker still holds for it."""

@@ -5,6 +5,9 @@ Each message carries every token that reached the request's mailbox since the pr
 one step's when the reader keeps up, several merged when it does not (see Mailbox).
 With a remote prefill the first token is sent as soon as the prefill worker returns it (that
 is the TTFT), and dropped from the decode worker's first delta, which repeats it.
+One stream lives as long as its request: when the decode worker dies mid-stream, the router
+places the request again (what was streamed becomes its prompt's tail) and `resume`s the
+stream over the new placement, so detokenizer, stop strings, token count and timings carry on.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.proto import pdserve_pb2
+from pdserve.proto import pdserve_pb2, worker_pb2
 from pdserve.router.flight import Flight, Placement
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.validation import ValidRequest
@@ -35,14 +38,31 @@ class ResponseStream:
         self.token_ids: list[int] = []
         self.first_at: float | None = None
         self.last_at = received
+        self.num_migrations = 0  # placements after the first
+        # prompt tokens served from a prefix cache where the request was first placed (a
+        # later placement's prompt holds generated tokens too: not the client's prompt)
+        self.num_cached_tokens = 0
+
+    def resume(self, placement: Placement) -> None:
+        """Go on over `placement`: the request placed again after its decode worker failed,
+        every token streamed so far the tail of its prompt there."""
+        self.placement = placement
+        self.num_migrations += 1
+
+    def aborted(self) -> pdserve_pb2.GenerateResponse:
+        """The last message of a request aborted between two placements."""
+        message = pdserve_pb2.GenerateResponse(request_id=self.req.request_id,
+                                               text=self.detok.flush())
+        return self._finish(message, "abort", None)
 
     async def run(self, flight: Flight) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+        """The current placement's messages to the end of the request; WorkerLost or
+        WorkerFailed if its decode worker fails it first (the caller may `resume`)."""
         prefill, want_logprobs = self.placement.prefill, self.req.params.logprobs is not None
-        skip = 0
+        first_placement, skip = self.num_migrations == 0, 0
         if prefill is not None:  # the first token is known now: send it
             skip = 1
-            logprobs = [prefill.logprob] if want_logprobs and prefill.HasField("logprob") else []
-            message, stop = self._message([prefill.first_token_id], logprobs)
+            message, stop = self._prefilled(prefill)
             if stop is not None:
                 yield self._finish(message, "stop", stop)
                 return
@@ -55,14 +75,16 @@ class ResponseStream:
             skip = 0
             message, stop = self._message(token_ids, logprobs)
             finished = not (end is None or isinstance(end, Lost) or end.finish_reason == "error")
-            cached = getattr(end if end is not None else items[-1], "num_cached_tokens", 0)
+            if first_placement and prefill is None and (finished or end is None):
+                # the decode worker's own prefix-cache hit, on every delta it sends
+                self.num_cached_tokens = (end if finished else items[-1]).num_cached_tokens
             if stop is not None:  # if the worker is still generating, the caller frees it
-                yield self._finish(message, "stop", stop, cached)
+                yield self._finish(message, "stop", stop)
                 return
             if finished:
                 flight.done = True  # the worker has freed it already
                 message.text += self.detok.flush()
-                yield self._finish(message, end.finish_reason, end.stop_reason, cached)
+                yield self._finish(message, end.finish_reason, end.stop_reason)
                 return
             if message.token_ids or message.text:
                 yield message  # before a failure too: what came first still reaches the client
@@ -71,6 +93,15 @@ class ResponseStream:
             if end is not None:
                 flight.done = True  # the worker has freed it already
                 raise WorkerFailed(end.error or "decode worker failed the request")
+
+    def _prefilled(self, prefill: worker_pb2.PrefillResponse
+                   ) -> tuple[pdserve_pb2.GenerateResponse, str | None]:
+        """The prefill worker's first token as a message, and the stop string it completed."""
+        if self.num_migrations == 0:
+            self.num_cached_tokens = prefill.num_cached_tokens
+        want_logprobs = self.req.params.logprobs is not None
+        logprobs = [prefill.logprob] if want_logprobs and prefill.HasField("logprob") else []
+        return self._message([prefill.first_token_id], logprobs)
 
     def _message(self, token_ids: list[int],
                  logprobs: list) -> tuple[pdserve_pb2.GenerateResponse, str | None]:
@@ -92,10 +123,9 @@ class ResponseStream:
         return message, update.stop_string
 
     def _finish(self, message: pdserve_pb2.GenerateResponse, reason: str,
-                stop_reason: str | None, worker_cached: int = 0) -> pdserve_pb2.GenerateResponse:
+                stop_reason: str | None) -> pdserve_pb2.GenerateResponse:
         now = time.monotonic()
-        prefill = self.placement.prefill
-        cached = prefill.num_cached_tokens if prefill is not None else worker_cached
+        cached = self.num_cached_tokens
         num_prompt = len(self.req.prompt_token_ids)
         message.finish_reason = reason
         message.stop_reason = stop_reason or ""

@@ -13,7 +13,8 @@ A session id is scoped by the caller's tenant (`pdserve.redis_keys.scoped_sessio
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from google.protobuf.message import DecodeError
@@ -76,6 +77,21 @@ class ValidRequest:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     session_id: str
+    # a migrated request: the prompt's last this-many tokens were generated (and streamed)
+    # by a decode worker that died; the worker-plane field of the same name
+    num_output_tokens: int = 0
+
+    def continued(self, output_token_ids: Sequence[int]) -> ValidRequest:
+        """This request as another decode worker takes it over after `output_token_ids` were
+        streamed: those tokens become its prompt's tail (generated elsewhere, so seeded
+        sampling continues after them) and max_tokens counts only what is left."""
+        num_done = len(output_token_ids)
+        if not 0 <= num_done < self.params.max_tokens:
+            raise ValueError(f"a request continues after 0..{self.params.max_tokens - 1} "
+                             f"generated tokens, got {num_done}")
+        return replace(self, prompt_token_ids=self.prompt_token_ids + tuple(output_token_ids),
+                       params=replace(self.params, max_tokens=self.params.max_tokens - num_done),
+                       num_output_tokens=self.num_output_tokens + num_done)
 
 
 def parse_generate_request(data: bytes) -> pdserve_pb2.GenerateRequest | InvalidArgument:

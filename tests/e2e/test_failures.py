@@ -79,46 +79,69 @@ def test_redis_stopped_mid_run_degrades_and_recovers(service):
         assert client.complete(prompt, sampling=GREEDY).usage.cached_tokens == 64
 
 
-def test_killed_decode_worker_fails_its_requests_and_comes_back(service):
-    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+def idle_decode_workers(service):
+    """Both decode workers, once the router sees them up and holding no blocks."""
+    decode = [w for w in stats(service.address).workers if w.worker_id.startswith("decode")]
+    return len(decode) == 2 and all(w.up and w.num_used_blocks == 0 for w in decode) and decode
+
+
+def migrated(service) -> float:
+    return service.router.metrics.registry.get_sample_value(
+        "pdserve_router_migrations_total", {"outcome": "ok"})
+
+
+def test_killed_decode_worker_migrates_its_streams_and_comes_back(service):
+    """SIGKILL a decode worker under 8 streams: each of its streams moves to the other decode
+    worker (migration_limit 1, the default) and every stream ends exactly as it does
+    undisturbed, greedy and seeded alike."""
+    params = [SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)] * 4 + [
+        SamplingParams(temperature=0.8, seed=i, max_tokens=300, ignore_eos=True)
+        for i in range(4)]
     pool = service.service.pool
 
-    async def stream(client, i, started):
-        n = 0
+    async def stream(client, i, started=None):
+        tokens = []
         try:
-            async for chunk in client.generate([3, 4, 5, i], sampling=params):
-                n += len(chunk.token_ids)
-                if n >= 5:
+            async for chunk in client.generate([3, 4, 5, i], sampling=params[i]):
+                tokens += chunk.token_ids
+                if started is not None and len(tokens) >= 5:
                     started.set()
-            return "ok"
+            return chunk.finish_reason, tokens
         except PdserveError as exc:
-            return exc.code.name
+            return exc.code.name, tokens
 
     async def run():
         async with AsyncClient(service.address, timeout=120) as client:
-            events = [asyncio.Event() for _ in range(6)]
+            undisturbed = await asyncio.gather(*(stream(client, i) for i in range(8)))
+            # the router's load snapshots show both workers idle again: the streams spread
+            await asyncio.to_thread(wait_until, lambda: idle_decode_workers(service), 10,
+                                    "decode workers idle")
+            events = [asyncio.Event() for _ in range(8)]
             tasks = [asyncio.create_task(stream(client, i, e)) for i, e in enumerate(events)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
             by_worker = {w: running_on(service, w) for w in service.router.decode}
+            before = migrated(service)
             os.kill(pool.pids("decode-0")[0], signal.SIGKILL)
             results = await asyncio.wait_for(asyncio.gather(*tasks), 120)  # never hangs
-            return by_worker, results
+            return undisturbed, by_worker, results, migrated(service) - before
 
-    by_worker, results = asyncio.run(run())
+    undisturbed, by_worker, results, num_migrated = asyncio.run(run())
     assert by_worker["decode-0"] > 0 and by_worker["decode-1"] > 0, by_worker
-    assert results.count("UNAVAILABLE") == by_worker["decode-0"], (by_worker, results)
-    assert results.count("ok") == by_worker["decode-1"], (by_worker, results)
-    with Client(service.address, timeout=60) as client:  # at once, on the survivor
-        assert client.complete([7, 7, 7], sampling=GREEDY).usage.completion_tokens == 8
-        up = wait_until(lambda: all(w.up for w in stats(service.address).workers), RESTART_S,
-                        "decode-0 restarted and re-registered")
-        assert up
+    assert all(r == "length" and len(t) == 300 for r, t in undisturbed), undisturbed
+    assert len({tuple(t) for _, t in undisturbed[4:]}) == 4  # the seeds do differ
+    assert results == undisturbed  # no token lost, none twice, the same choices
+    assert num_migrated == by_worker["decode-0"]
+    up = wait_until(lambda: all(w.up for w in stats(service.address).workers), RESTART_S,
+                    "decode-0 restarted and re-registered")
+    assert up
+    with Client(service.address, timeout=60) as client:
         for i in range(4):  # both decode workers serve again
             assert client.complete([8, 8, i], sampling=GREEDY).usage.completion_tokens == 8
-    restarted = wait_until(  # the router's load snapshot lags a finished request by <= 0.2 s
-        lambda: next((w for w in stats(service.address).workers if w.worker_id == "decode-0"
-                      and w.num_used_blocks == 0), None), 5, "decode-0 holds no blocks")
-    assert restarted.num_blocks == 256
+
+    # the router's load snapshot lags a finished request by <= 0.2 s
+    idle = wait_until(lambda: idle_decode_workers(service), 5,
+                      "every decode worker holds no blocks")
+    assert all(w.num_blocks == 256 for w in idle), idle
 
 
 def test_killed_prefill_worker_is_routed_around_then_restarted(service):

@@ -50,7 +50,8 @@ def _bad(mutate) -> None:
 @pytest.mark.parametrize("mutate", [
     lambda d: d.pop("deadline"),
     lambda d: d.update(extra=1),
-    lambda d: d.update(v=2),
+    lambda d: d.update(v=d["v"] + 1),
+    lambda d: d.update(v=1),  # before first_block: an older release's descriptor
     lambda d: d.update(v=True),
     lambda d: d.update(transfer_id="00" * 16),
     lambda d: d.update(transfer_id=d["transfer_id"].upper()),
