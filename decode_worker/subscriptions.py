@@ -30,7 +30,10 @@ from pdserve.decode_worker.worker import DecodeWorker
 
 logger = logging.getLogger(__name__)
 
-ORPHAN_AFTER_S = 5.0
+# A live router whose stream broke subscribes again within router.workers.RECONNECT_S (0.5 s);
+# one that is gone has its requests freed this long after (plus POLL_S): well within the
+# few seconds a router's death may hold KV (issue 18: within 5 s on every worker).
+ORPHAN_AFTER_S = 2.5
 POLL_S = 0.1  # how often the fan-out looks at the loop's health and at orphaned routers
 ROUTER_ID_MAX_CHARS = 64
 _ROUTER_ID = re.compile(r"[A-Za-z0-9._:-]*")

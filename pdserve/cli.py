@@ -1,6 +1,8 @@
 """The `pdserve` command line.
 
     pdserve up                      Redis + Ray workers + router on this machine (Ctrl-C stops)
+    pdserve up --router-only --ray-address ADDR
+                                    one more router of the deployment running on that cluster
     pdserve generate "prompt"       stream an answer from a running service
     pdserve chat                    multi-turn conversation on one session
     pdserve bench                   load a running service: latency percentiles, goodput
@@ -89,7 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _up(settings: ServeSettings) -> int:
-    from pdserve.launch.service import Service
+    if settings.router_only:  # one more router of a running deployment, no pools of its own
+        from pdserve.launch.router_only import RouterOnly as Service
+    else:
+        from pdserve.launch.service import Service
 
     service = Service(settings)
     stop = asyncio.Event()
@@ -105,11 +110,15 @@ async def _up(settings: ServeSettings) -> int:
         print(f"pdserve is serving {settings.model} on {service.address}{tls}{http} "
               f"(metrics: http://{settings.host}:{service.metrics_port}/metrics); "
               "Ctrl-C stops it", flush=True)
-        await stop.wait()
+        lost = getattr(service, "lost", None)  # a --router-only router's deployment changed
+        ends = [asyncio.ensure_future(e.wait()) for e in (stop, lost) if e is not None]
+        await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
+        for end in ends:
+            end.cancel()
     finally:
         print("pdserve: stopping", file=sys.stderr, flush=True)
         await service.stop()
-    return 0
+    return 1 if lost is not None and lost.is_set() else 0
 
 
 def _sampling(args: argparse.Namespace):

@@ -58,6 +58,29 @@ class RouterSpec:
                       "api_tokens": tuple(data["api_tokens"])})
 
 
+def router_spec(s, model_path: str, model_name: str, redis_url: str, tls: TLSFiles | None,
+                worker_tls: TLSFiles | None, api_tokens: tuple[str, ...]) -> RouterSpec:
+    """The RouterSpec of `pdserve up`'s settings `s` (a ServeSettings): every router process,
+    of the pool's owner or `--router-only`, serves alike."""
+    config = RouterConfig(
+        block_size=s.block_size, max_inflight_requests=s.max_inflight_requests,
+        max_queued_requests=s.max_queued_requests,
+        kv_transfer_timeout_s=s.kv_transfer_timeout_s,
+        max_local_prefill_tokens=s.max_local_prefill_tokens,
+        migration_limit=s.migration_limit, colocated=s.mode == "colocated",
+    )
+    limits = RequestLimits(s.max_stop_strings, s.max_stop_string_chars, s.max_stop_token_ids)
+    return RouterSpec(
+        model_path=model_path, model_name=model_name, dtype=s.dtype,
+        max_model_len=s.max_model_len, config=config, limits=limits, host=s.host,
+        port=s.port, http_port=s.http_port, grpc_timeout_s=s.grpc_timeout_s,
+        http_timeout_s=s.http_timeout_s, tls=tls, worker_tls=worker_tls,
+        redis_url=redis_url, redis_namespace=s.redis_namespace,
+        session_ttl_s=s.session_ttl_s, session_max_tokens=s.session_max_tokens,
+        max_sessions_per_tenant=s.max_sessions_per_token,
+        redis_password=s.redis_password, api_tokens=api_tokens)
+
+
 class RouterFronts:
     """A Router with its gRPC server (bound by `bind`) and, when the spec has an HTTP port,
     the OpenAI front (bound by `start`)."""

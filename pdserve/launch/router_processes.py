@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 from pdserve.cluster_secret import ClusterSecret
 from pdserve.launch.router_front import RouterSpec
@@ -83,3 +84,19 @@ class RouterProcesses:
             if slot in self.router.followers:
                 self.router.followers.remove(slot)
         await asyncio.gather(*(slot.stop() for slot in self.slots))
+
+
+async def start_router_processes(settings, spec: RouterSpec, fronts, secret: ClusterSecret,
+                                 metrics) -> RouterProcesses | None:
+    """Routers 1..N-1 of `settings.router_processes` (None when N is 1), on the ports router 0
+    (`fronts`) bound: it binds first, so port 0 (tests) means the same free port for all."""
+    from pdserve.launch.router_count import available_cpus, default_router_processes
+
+    count = settings.router_processes or default_router_processes(available_cpus())
+    if count == 1:
+        return None
+    spec = replace(spec, port=fronts.server.port,
+                   http_port=fronts.http.port if fronts.http is not None else 0)
+    processes = RouterProcesses(count, spec, secret, fronts.router, metrics)
+    await processes.start()
+    return processes

@@ -3,8 +3,10 @@
 Embedded default: a bundled redis-server, a local Ray head, 1 prefill + 1 decode worker on
 the bundled SmolLM2, the router on 127.0.0.1:50051 and metrics on 127.0.0.1:9400 (see
 `pdserve.defaults`); with `router_processes` N > 1, N-1 more router processes share its
-ports and workers (pdserve.launch.router_processes). Point `ray_address` / `redis_url`
-elsewhere and the same code runs against a real cluster.
+ports and workers (pdserve.launch.router_processes). The worker table is published in Ray's
+GCS (pdserve.launch.registry) for routers on other machines (`pdserve up --router-only`,
+pdserve.launch.router_only). Point `ray_address` / `redis_url` elsewhere and the same code runs
+against a real cluster.
 `stop()` stops exactly what `start()` started.
 """
 
@@ -35,6 +37,7 @@ class Service:
         self.router_server = None
         self.http = None  # the OpenAI-compatible front, when http_port is set
         self.router_processes = None  # routers 1..N-1, when router_processes > 1
+        self.registry = None  # the worker table, published for --router-only routers
         self.metrics = None
         self.metrics_port: int | None = None
         self._supervisor: asyncio.Task | None = None
@@ -85,18 +88,19 @@ class Service:
             task.cancel()
         parts = [
             ("planner and supervisor", lambda: asyncio.gather(*tasks, return_exceptions=True)),
+            ("worker registry", self.registry and self.registry.close),
             ("other router processes", self.router_processes and self.router_processes.stop),
             ("OpenAI front", self.http and self.http.stop),
             ("router", self.router_server and self.router_server.stop),
-            ("metrics server", self.metrics and _async(self.metrics.stop_http)),
+            ("metrics server", self.metrics and as_coroutine(self.metrics.stop_http)),
             ("Redis store", self.store and self.store.close),
             ("worker pool", self.pool and (lambda: asyncio.to_thread(self.pool.shutdown))),
-            ("Ray", self._started_ray and _async(_stop_ray)),
-            ("bundled Redis", self.redis and _async(self.redis.stop)),
+            ("Ray", self._started_ray and as_coroutine(_stop_ray)),
+            ("bundled Redis", self.redis and as_coroutine(self.redis.stop)),
         ]
         for name, stop in parts:
             if stop:
-                await _stop_part(name, stop)
+                await stop_part(name, stop)
 
     def _start_redis(self) -> str:
         """The bundled redis-server, where every worker can reach it and no further: loopback
@@ -194,11 +198,13 @@ class Service:
         )
 
     async def _start_router(self, model_path, model_name, redis_url, infos) -> None:
-        from pdserve.launch.router_front import RouterFronts
+        from pdserve.launch.router_front import RouterFronts, router_spec
+        from pdserve.launch.router_processes import start_router_processes
         from pdserve.router.metrics import RouterMetrics
 
         s = self.settings
-        spec = self._router_spec(model_path, model_name, redis_url)
+        spec = router_spec(s, model_path, model_name, redis_url, self.tls, self.worker_tls,
+                           self.api_tokens)
         self.metrics = RouterMetrics()
         fronts = await RouterFronts.bind(
             spec, self.secret, [(i.worker_id, i.role, i.address) for i in infos], self.metrics)
@@ -208,49 +214,24 @@ class Service:
             await fronts.start(ready_timeout_s=60)
         finally:
             self.http = fronts.http
-        await self._start_router_processes(spec, fronts)
+        self.router_processes = await start_router_processes(s, spec, fronts, self.secret,
+                                                             self.metrics)
+        await self._publish_workers(fronts.router, model_name, redis_url, infos)
         self._start_supervision(fronts.router)
 
-    def _router_spec(self, model_path: str, model_name: str, redis_url: str):
-        from pdserve.launch.router_front import RouterSpec
-        from pdserve.router.config import RouterConfig
-        from pdserve.router.validation import RequestLimits
+    async def _publish_workers(self, router, model_name: str, redis_url: str, infos) -> None:
+        """The worker table in Ray's GCS, kept up to date, for `--router-only` routers."""
+        from pdserve.launch.redis_server import split_password
+        from pdserve.launch.registry import Registry
+        from pdserve.launch.registry_publisher import RegistryPublisher
 
         s = self.settings
-        config = RouterConfig(
-            block_size=s.block_size, max_inflight_requests=s.max_inflight_requests,
-            max_queued_requests=s.max_queued_requests,
-            kv_transfer_timeout_s=s.kv_transfer_timeout_s,
-            max_local_prefill_tokens=s.max_local_prefill_tokens,
-            migration_limit=s.migration_limit, colocated=s.mode == "colocated",
-        )
-        limits = RequestLimits(s.max_stop_strings, s.max_stop_string_chars,
-                               s.max_stop_token_ids)
-        return RouterSpec(
-            model_path=model_path, model_name=model_name, dtype=s.dtype,
-            max_model_len=s.max_model_len, config=config, limits=limits, host=s.host,
-            port=s.port, http_port=s.http_port, grpc_timeout_s=s.grpc_timeout_s,
-            http_timeout_s=s.http_timeout_s, tls=self.tls, worker_tls=self.worker_tls,
-            redis_url=redis_url, redis_namespace=s.redis_namespace,
-            session_ttl_s=s.session_ttl_s, session_max_tokens=s.session_max_tokens,
-            max_sessions_per_tenant=s.max_sessions_per_token,
-            redis_password=s.redis_password, api_tokens=self.api_tokens)
-
-    async def _start_router_processes(self, spec, fronts) -> None:
-        """Routers 1..N-1 (`router_processes`), on the ports router 0 bound: it binds first, so
-        port 0 (tests) means the same free port for all."""
-        from pdserve.launch import router_processes as rp
-        from pdserve.launch.router_count import available_cpus, default_router_processes
-
-        s = self.settings
-        count = s.router_processes or default_router_processes(available_cpus())
-        if count == 1:
-            return
-        spec = replace(spec, port=fronts.server.port,
-                       http_port=fronts.http.port if fronts.http is not None else 0)
-        self.router_processes = rp.RouterProcesses(count, spec, self.secret, fronts.router,
-                                                   self.metrics)
-        await self.router_processes.start()
+        header = Registry(model_name, s.block_size, s.mode, split_password(redis_url, None)[0],
+                          s.redis_namespace, owner="", revision=0, workers=())
+        self.registry = RegistryPublisher(header, [(i.worker_id, i.role, i.address)
+                                                   for i in infos])
+        router.followers.append(self.registry)
+        await self.registry.start()
 
     def _start_supervision(self, router) -> None:
         """The pool's supervisor, telling the router of restarts; the live planner if set."""
@@ -277,7 +258,7 @@ def _cluster_secret() -> ClusterSecret:
     return ClusterSecret.generate()
 
 
-async def _stop_part(name: str, stop) -> None:
+async def stop_part(name: str, stop) -> None:
     try:
         await asyncio.wait_for(stop(), STOP_PART_S)
     except TimeoutError:
@@ -286,7 +267,7 @@ async def _stop_part(name: str, stop) -> None:
         logger.exception("stopping the %s failed", name)
 
 
-def _async(fn):
+def as_coroutine(fn):
     """A blocking stop step (each bounded on its own) as a coroutine function."""
     async def run() -> None:
         fn()

@@ -85,8 +85,9 @@ EVERYTHING_ON = [
 
 @pytest.mark.parametrize(
     "values",
-    [[], ["-f", str(VALUES_2P3D)], ["-f", str(VALUES_2P3D), *EVERYTHING_ON]],
-    ids=["default", "2p3d-tp2", "everything-on"],
+    [[], ["-f", str(VALUES_2P3D)], ["-f", str(VALUES_2P3D), *EVERYTHING_ON],
+     ["--set", "router.replicas=3"]],
+    ids=["default", "2p3d-tp2", "everything-on", "several-routers"],
 )
 def test_manifests_validate(helm: Path, kubernetes_validate: Any, values: list[str]) -> None:
     docs = _render(helm, *values)

@@ -39,6 +39,22 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/component: router
 {{- end -}}
 
+{{/* Every router pod, the pool owner's and the --router-only ones: what the Service, the
+     PodDisruptionBudget and the router NetworkPolicy select. */}}
+{{- define "pdserve.routerFrontLabel" -}}
+pdserve.io/router: "true"
+{{- end -}}
+
+{{- define "pdserve.routerFrontLabels" -}}
+{{ include "pdserve.selectorLabels" . }}
+{{ include "pdserve.routerFrontLabel" . }}
+{{- end -}}
+
+{{/* Router pods in all: one pool owner and router.replicas - 1 --router-only routers. */}}
+{{- define "pdserve.routerReplicas" -}}
+{{- include "pdserve.positiveInt" (list "router.replicas" .Values.router.replicas) -}}
+{{- end -}}
+
 {{- define "pdserve.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
