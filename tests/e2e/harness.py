@@ -13,6 +13,7 @@ from dataclasses import replace
 import grpc
 import uvloop
 
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.launch.service import Service
 from pdserve.launch.settings import ServeSettings
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
@@ -125,3 +126,36 @@ def stats(address: str) -> pdserve_pb2.Stats:
     with grpc.insecure_channel(address) as channel:
         return pdserve_pb2_grpc.InferenceStub(channel).GetStats(pdserve_pb2.GetStatsRequest(),
                                                                 timeout=5)
+
+
+def token_prompts(n: int, seed: int) -> list[list[int]]:
+    """`n` prompts of 12-16 token ids, different for each seed."""
+    return [[(seed * 131 + i * 17 + k * 7) % 4000 + 3 for k in range(12 + i % 5)]
+            for i in range(n)]
+
+
+def offline_greedy(offline, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """What the offline `LLM` generates for each prompt, greedy, `max_tokens` each."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [list(o.token_ids) for o in offline.generate(prompts, params)]
+
+
+async def greedy_stream(channel: grpc.aio.Channel, request_id: str, prompt: list[int],
+                        max_tokens: int, started: asyncio.Event | None = None,
+                        metadata: tuple = ()) -> tuple[str, list[int]]:
+    """One greedy Generate: ("length", tokens), or the gRPC status name and the tokens
+    before it; `started` is set at the first message."""
+    sampling = pdserve_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    request = pdserve_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
+                                          sampling=sampling)
+    tokens, reason = [], ""
+    try:
+        async for message in pdserve_pb2_grpc.InferenceStub(channel).Generate(
+                request, timeout=120, metadata=metadata):
+            tokens.extend(message.token_ids)
+            reason = message.finish_reason or reason
+            if started is not None:
+                started.set()
+    except grpc.aio.AioRpcError as exc:
+        return exc.code().name, tokens
+    return reason, tokens

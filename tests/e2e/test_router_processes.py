@@ -30,7 +30,15 @@ from pdserve.llm import LLM
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.metrics_text import sample_value
 from tests.certs import write_pki
-from tests.e2e.harness import free_port, running, tiny_settings, wait_until
+from tests.e2e.harness import (
+    free_port,
+    greedy_stream,
+    offline_greedy,
+    running,
+    tiny_settings,
+    token_prompts,
+    wait_until,
+)
 from tests.tiny_models import write_tiny_model
 
 MAX_TOKENS, LONG_TOKENS = 24, 300
@@ -99,33 +107,9 @@ def child(service):
     return slot
 
 
-def _prompts(n: int, seed: int) -> list[list[int]]:
-    return [[(seed * 131 + i * 17 + k * 7) % 4000 + 3 for k in range(12 + i % 5)]
-            for i in range(n)]
-
-
-def _expected(offline: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return [list(o.token_ids) for o in offline.generate(prompts, params)]
-
-
-async def _stream(channel: grpc.aio.Channel, request_id: str, prompt: list[int],
-                  max_tokens: int, started: asyncio.Event | None = None):
-    """("length", tokens), or the gRPC status name and the tokens before it."""
-    sampling = pdserve_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    request = pdserve_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
-                                          sampling=sampling)
-    tokens, reason = [], ""
-    try:
-        async for message in pdserve_pb2_grpc.InferenceStub(channel).Generate(
-                request, timeout=120, metadata=AUTH):
-            tokens.extend(message.token_ids)
-            reason = message.finish_reason or reason
-            if started is not None:
-                started.set()
-    except grpc.aio.AioRpcError as exc:
-        return exc.code().name, tokens
-    return reason, tokens
+def _stream(channel: grpc.aio.Channel, *args):
+    """greedy_stream with this module's API token."""
+    return greedy_stream(channel, *args, metadata=AUTH)
 
 
 def _run_streams(front: Front, prompts: list[list[int]], max_tokens: int, tag: str):
@@ -182,8 +166,8 @@ def test_concurrent_clients_get_the_offline_greedy_tokens_from_both_processes(
         service, front, offline, child):
     parent = service.router
     before_parent, before_child = parent.num_received, child.num_received
-    prompts = _prompts(16, seed=1)
-    expected = _expected(offline, prompts, MAX_TOKENS)
+    prompts = token_prompts(16, seed=1)
+    expected = offline_greedy(offline, prompts, MAX_TOKENS)
     got = _run_streams(front, prompts, MAX_TOKENS, "greedy")
     assert got == [("length", tokens) for tokens in expected]
     # each stream was received by exactly one process, and each process took some
@@ -234,8 +218,8 @@ def test_worker_table_changes_reach_the_other_process(service, front):
 
 
 def test_killing_one_router_process_fails_only_its_streams(service, front, offline, child):
-    prompts = _prompts(2 * PER_PROCESS, seed=2)
-    expected = _expected(offline, prompts[:PER_PROCESS], LONG_TOKENS)
+    prompts = token_prompts(2 * PER_PROCESS, seed=2)
+    expected = offline_greedy(offline, prompts[:PER_PROCESS], LONG_TOKENS)
     old_pid, generation = child.pid, child.generation
 
     async def run():
@@ -281,7 +265,7 @@ async def _flight_ids(router) -> set[str]:
 def test_service_metrics_count_what_every_process_served(service, front, child):
     before_all, received = _ok(_scrape(service)), child.num_received
     before_own = _ok(generate_latest(service.service.metrics.registry))
-    prompts = _prompts(16, seed=3)
+    prompts = token_prompts(16, seed=3)
     got = _run_streams(front, prompts, 4, "metrics")
     assert [reason for reason, _ in got] == ["length"] * len(prompts)
     wait_until(lambda: _ok(_scrape(service)) == before_all + len(prompts), 5,
@@ -293,7 +277,7 @@ def test_service_metrics_count_what_every_process_served(service, front, child):
 def test_an_abort_reaches_the_stream_whichever_process_took_it(service, front):
     """Abort on a connection the other process serves still finds the stream: each stream runs
     on one process, and its Abort is sent on a connection to the other (both ways)."""
-    prompt = _prompts(1, seed=4)[0]
+    prompt = token_prompts(1, seed=4)[0]
 
     async def abort_across(stream_channel, abort_channel, request_id: str):
         started = asyncio.Event()
@@ -333,7 +317,7 @@ def test_a_client_with_several_connections_is_served_by_both_processes(service, 
                                connections=8) as client:
             params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
             return await asyncio.gather(*(client.complete(p, sampling=params)
-                                          for p in _prompts(16, seed=5)))
+                                          for p in token_prompts(16, seed=5)))
 
     done = asyncio.run(run())
     assert [len(c.token_ids) for c in done] == [2] * 16

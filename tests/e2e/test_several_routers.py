@@ -25,7 +25,15 @@ from pdserve.cluster_secret import ClusterSecret
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.llm import LLM
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.e2e.harness import free_port, running, tiny_settings, wait_until
+from tests.e2e.harness import (
+    free_port,
+    greedy_stream,
+    offline_greedy,
+    running,
+    tiny_settings,
+    token_prompts,
+    wait_until,
+)
 from tests.tiny_models import write_tiny_model
 
 CONTEXT = 4096
@@ -125,34 +133,10 @@ def offline(model_dir):
     return LLM(str(model_dir), max_model_len=CONTEXT, num_kv_blocks=512, num_threads=1)
 
 
-def _prompts(n: int, seed: int) -> list[list[int]]:
-    return [[(seed * 131 + i * 17 + k * 7) % 4000 + 3 for k in range(12 + i % 5)]
-            for i in range(n)]
-
-
-def _expected(offline: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return [list(o.token_ids) for o in offline.generate(prompts, params)]
-
-
 async def _stream(address: str, request_id: str, prompt: list[int], max_tokens: int,
                   started: asyncio.Event | None = None):
-    """("length", tokens), or the gRPC status name and the tokens before it."""
-    sampling = pdserve_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    request = pdserve_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
-                                          sampling=sampling)
-    tokens, reason = [], ""
     async with grpc.aio.insecure_channel(address) as channel:
-        try:
-            async for message in pdserve_pb2_grpc.InferenceStub(channel).Generate(
-                    request, timeout=120):
-                tokens.extend(message.token_ids)
-                reason = message.finish_reason or reason
-                if started is not None:
-                    started.set()
-        except grpc.aio.AioRpcError as exc:
-            return exc.code().name, tokens
-    return reason, tokens
+        return await greedy_stream(channel, request_id, prompt, max_tokens, started)
 
 
 def _router_stats(address: str) -> pdserve_pb2.Stats:
@@ -190,8 +174,8 @@ def test_a_router_that_cannot_join_fails_fast(service, ray_cluster, model_dir, f
 
 
 def test_both_routers_serve_the_offline_greedy_tokens(service, second, offline):
-    prompts = _prompts(12, seed=1)
-    expected = _expected(offline, prompts, 24)
+    prompts = token_prompts(12, seed=1)
+    expected = offline_greedy(offline, prompts, 24)
 
     async def run():
         return await asyncio.gather(*(
@@ -209,7 +193,7 @@ def test_a_session_continues_on_the_other_router(service, second):
     """Turn 2 on the second router finds turn 1's decode worker through Redis: its prompt and
     reply come from that worker's cache (a prefill worker holds the prompt at most)."""
     sampling = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    turn1 = _prompts(1, seed=7)[0]
+    turn1 = token_prompts(1, seed=7)[0]
     with Client(service.address, timeout=120) as owner, \
             Client(second.address, timeout=120) as other:
         first = owner.complete(turn1, session_id="s-across", sampling=sampling)
@@ -247,7 +231,7 @@ def test_a_restarted_worker_rejoins_the_second_router(service, second, secret):
 
     async def run():
         return await asyncio.gather(*(_stream(second.address, f"rejoin-{i}", p, 256)
-                                      for i, p in enumerate(_prompts(8, seed=3))))
+                                      for i, p in enumerate(token_prompts(8, seed=3))))
     try:
         results = asyncio.run(run())
     finally:
@@ -259,8 +243,8 @@ def test_a_restarted_worker_rejoins_the_second_router(service, second, secret):
 
 def test_killing_the_second_router_frees_its_requests_and_spares_the_owners(
         service, second, offline, secret):
-    prompts = _prompts(6, seed=2)
-    expected = _expected(offline, prompts[:3], 48)
+    prompts = token_prompts(6, seed=2)
+    expected = offline_greedy(offline, prompts[:3], 48)
 
     async def run():
         started = [asyncio.Event() for _ in prompts]

@@ -3,15 +3,21 @@ prefill into the reservation, start decode with the first token, stream the rest
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 import weakref
 from collections import defaultdict
+from collections.abc import Iterator
 
 from pdserve.cluster_secret import ClusterSecret
+from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, load_model_config
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvtransfer.descriptor import Endpoint
+from pdserve.kvtransfer.loopback import LoopbackHub
+from pdserve.prefill_worker.worker import PrefillWorker
 
 MODEL_NAME = "tiny-llama"
 SECRET = ClusterSecret(b"tests-workers-cluster-secret-0123456789")  # the worker plane's, in tests
@@ -24,6 +30,22 @@ def engine_config(model_dir, num_blocks: int = 256, block_size: int = 16) -> Eng
         scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512),
         num_threads=1,
     )
+
+
+@contextlib.contextmanager
+def loopback_pair(model_dir) -> Iterator[tuple]:
+    """(prefill worker, decode worker) in this process, KV over the loopback transport."""
+    hub = LoopbackHub()
+    decode_ep = Endpoint("127.0.0.1", 9, 0)
+    decode = DecodeWorker(engine_config(model_dir), hub.listener(decode_ep, secret=SECRET),
+                          [decode_ep], MODEL_NAME)
+    prefill = PrefillWorker(engine_config(model_dir), hub.connector(
+        Endpoint("127.0.0.1", 8, 0), secret=SECRET), MODEL_NAME)
+    try:
+        yield prefill, decode
+    finally:
+        prefill.close()
+        decode.close()
 
 
 class Streams:

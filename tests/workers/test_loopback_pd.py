@@ -14,7 +14,14 @@ from pdserve.kvtransfer.descriptor import Endpoint
 from pdserve.kvtransfer.loopback import LoopbackHub
 from pdserve.prefill_worker.worker import PrefillWorker
 from tests.integration.hf_reference import mixed_prompts
-from tests.workers.pd import MODEL_NAME, SECRET, engine_config, generate_pd, run_engine
+from tests.workers.pd import (
+    MODEL_NAME,
+    SECRET,
+    engine_config,
+    generate_pd,
+    loopback_pair,
+    run_engine,
+)
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -25,15 +32,8 @@ def single_engine(model_dir, prompts, params=PARAMS):
 
 @pytest.fixture()
 def workers(tiny_llama_dir):
-    hub = LoopbackHub()
-    decode_ep = Endpoint("127.0.0.1", 9, 0)
-    decode = DecodeWorker(engine_config(tiny_llama_dir), hub.listener(decode_ep, secret=SECRET),
-                          [decode_ep], MODEL_NAME)
-    prefill = PrefillWorker(engine_config(tiny_llama_dir), hub.connector(
-        Endpoint("127.0.0.1", 8, 0), secret=SECRET), MODEL_NAME)
-    yield prefill, decode
-    prefill.close()
-    decode.close()
+    with loopback_pair(tiny_llama_dir) as pair:
+        yield pair
 
 
 def test_disaggregated_matches_single_engine(tiny_llama_dir, workers):

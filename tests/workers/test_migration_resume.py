@@ -16,14 +16,10 @@ import time
 
 import pytest
 
-from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kvtransfer.descriptor import Endpoint
-from pdserve.kvtransfer.loopback import LoopbackHub
-from pdserve.prefill_worker.worker import PrefillWorker
-from tests.workers.pd import MODEL_NAME, SECRET, engine_config, run_engine, streams
+from tests.workers.pd import engine_config, loopback_pair, run_engine, streams
 
 MAX_TOKENS = 12
 PARAMS = {
@@ -44,15 +40,8 @@ def undisturbed(tiny_llama_dir) -> dict[str, list[list[int]]]:
 
 @pytest.fixture()
 def workers(tiny_llama_dir):
-    hub = LoopbackHub()
-    decode_ep = Endpoint("127.0.0.1", 9, 0)
-    decode = DecodeWorker(engine_config(tiny_llama_dir), hub.listener(decode_ep, secret=SECRET),
-                          [decode_ep], MODEL_NAME)
-    prefill = PrefillWorker(engine_config(tiny_llama_dir), hub.connector(
-        Endpoint("127.0.0.1", 8, 0), secret=SECRET), MODEL_NAME)
-    yield prefill, decode
-    prefill.close()
-    decode.close()
+    with loopback_pair(tiny_llama_dir) as pair:
+        yield pair
 
 
 def continued(kind: str, prompt: list[int], done: list[int]) -> tuple[list[int], SamplingParams]:
