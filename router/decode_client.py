@@ -51,6 +51,7 @@ class DecodeClient(WorkerClient):
         self._streaming = False  # the current Outputs stream has delivered a message
         self._sent = (0, 0)  # (blocks, requests) the router has sent here, ever
         self._sent_before_load = (0, 0)  # ... before it asked for the load it holds
+        self.feeding: set[asyncio.Task] = set()  # prefills pushing KV here (Placer)
 
     def start(self) -> None:
         super().start()
@@ -76,9 +77,13 @@ class DecodeClient(WorkerClient):
         self._mailboxes.pop(request_id, None)
 
     def mark_down(self, reason: str) -> None:
-        """Out of rotation, and every request waiting on this worker ends (WorkerLost)."""
+        """Out of rotation, every request waiting on this worker ends (WorkerLost), and the
+        prefills pushing KV here are cancelled: their requests go elsewhere now, not when
+        the push gives up."""
         super().mark_down(reason)
         self._fail_all(reason)
+        for task in list(self.feeding):
+            task.cancel()
 
     async def reserve(self, request: worker_pb2.ReserveRequest) -> worker_pb2.ReserveResponse:
         request.router_id = self.router_id  # its deltas come to this router's subscription

@@ -179,21 +179,32 @@ class Placer:
         request = worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt,
                                             sampling=sampling, descriptor=reply.descriptor,
                                             num_output_tokens=req.num_output_tokens)
-        placement.prefill = await self._prefill(flight, prefill, request, len(prompt) - hits,
-                                                deadline)
+        placement.prefill = await self._prefill(flight, prefill, decode, request,
+                                                len(prompt) - hits, deadline)
         _check(flight)
         await self._start_decode(decode, rid, placement.prefill)
         _check(flight)
         return True
 
-    async def _prefill(self, flight: Flight, prefill: PrefillClient,
+    async def _prefill(self, flight: Flight, prefill: PrefillClient, decode: DecodeClient,
                        request: worker_pb2.PrefillRequest, num_new_tokens: int,
                        deadline: float) -> worker_pb2.PrefillResponse:
-        """Run the prompt on `prefill`, which pushes its KV to the reserved blocks."""
+        """Run the prompt on `prefill`, which pushes its KV to the blocks reserved on
+        `decode`; cancelled (DecodeSideFailed) if `decode` is marked down meanwhile."""
         flight.prefill = prefill
+        task = asyncio.ensure_future(prefill.prefill(
+            request, num_new_tokens, timeout=max(deadline - time.monotonic(), 0.001)))
+        decode.feeding.add(task)
+        if not decode.up:  # marked down since the reservation
+            task.cancel()
         try:
-            return await prefill.prefill(request, num_new_tokens,
-                                         timeout=max(deadline - time.monotonic(), 0.001))
+            return await task
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise
+            _check(flight)
+            raise DecodeSideFailed(f"decode worker {decode.worker_id} went down while the "
+                                   "KV was on its way") from None
         except grpc.aio.AioRpcError as exc:
             _check(flight)
             raise _prefill_error(prefill, exc) from None
@@ -201,6 +212,7 @@ class Placer:
             _check(flight)
             raise PrefillLost(prefill.worker_id, str(exc)) from None
         finally:
+            decode.feeding.discard(task)
             flight.prefill = None
 
     async def _start_decode(self, decode: DecodeClient, rid: str,

@@ -107,6 +107,45 @@ def test_a_prefill_worker_marked_down_releases_its_prompts_at_once(model):
     assert decode.aborted == decode.reserved and num_open == 0  # its reservation was freed
 
 
+def test_a_decode_worker_marked_down_releases_the_prompts_pushing_to_it(model):
+    """A prompt whose KV is on its way to a decode worker the supervisor has said is dead must
+    not wait for the prefill worker's push to give up: it goes to another decode worker at
+    once, and the dead one's reservation is aborted."""
+    dead, other, prefill = FakeDecode("decode-0"), FakeDecode("decode-1"), FakePrefill()
+    deadline_s = 30.0
+
+    async def scenario(dead_addr, other_addr, p_addr):
+        router = make_router(model, SECRET, kv_transfer_timeout_s=deadline_s)
+        await router.add_worker("prefill-0", "prefill", p_addr)
+        await router.add_worker(dead.worker_id, "decode", dead_addr)
+        try:
+            await router.wait_ready(10)
+            prefill.hang.set()
+            task = asyncio.create_task(collect(router, request()))
+            await asyncio.wait_for(_until(lambda: prefill.requests), 5)
+            await router.add_worker(other.worker_id, "decode", other_addr)
+            await asyncio.wait_for(_until(lambda: router.decode[other.worker_id].in_rotation), 5)
+            started = time.monotonic()
+            router.mark_down(dead.worker_id)
+            # the prompt is given up on the dead worker and prefilled again for the other,
+            # while the first Prefill still hangs
+            await asyncio.wait_for(_until(lambda: len(prefill.requests) == 2), deadline_s)
+            took = time.monotonic() - started
+            prefill.hang.clear()
+            return took, await asyncio.wait_for(task, 10)
+        finally:
+            prefill.hang.clear()
+            await router.close()
+
+    with serving(dead, SECRET) as dead_addr, serving(other, SECRET) as other_addr, \
+            serving(prefill, SECRET) as p_addr:
+        took, messages = asyncio.run(scenario(dead_addr, other_addr, p_addr))
+    assert took < MARGIN_S, took  # not the 30 s KV deadline
+    assert [t for m in messages for t in m.token_ids] == list(TOKENS)
+    assert dead.aborted == dead.reserved and len(dead.reserved) == 1  # freed there
+    assert len(other.reserved) == 1 and not other.aborted  # served there
+
+
 async def _until(condition) -> None:
     while not condition():
         await asyncio.sleep(0.01)
