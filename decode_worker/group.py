@@ -7,9 +7,10 @@ from dataclasses import replace
 
 from pdserve.decode_worker.follower import run_follower
 from pdserve.decode_worker.worker import MAX_RESERVATION_S, TP_BEAT_S, DecodeWorker
-from pdserve.engine.config import EngineConfig, with_num_blocks
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.parallel import TensorParallel
+from pdserve.engine.spec.make import sized
 from pdserve.kvtransfer.connector import Listener
 from pdserve.kvtransfer.descriptor import Endpoint
 from pdserve.kvtransfer.layout import KVLayout
@@ -30,8 +31,8 @@ def start_decode_rank(
     if tp.rank == 0:
         return DecodeWorker(config, listener, endpoints, model_name, tp,
                             max_reservation_s=max_reservation_s, tp_beat_s=tp_beat_s)
-    config = replace(config, cache=with_num_blocks(config.cache, config.model))
-    runner = ModelRunner(config, tp)
+    config = sized(config)  # the block count rank 0 has (a draft model's KV shares blocks)
+    runner = ModelRunner(replace(config, speculative=None), tp)
     layout = KVLayout.from_model_config(config.model, config.cache.block_size, model_name)
     receiver = KVReceiver(layout, listener, tp.size, [kv[:2] for kv in runner.kv_caches])
     run_follower(runner, tp, receiver)

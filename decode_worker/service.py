@@ -19,6 +19,7 @@ UNAVAILABLE only when this worker is closing or its loop died.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -167,6 +168,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             num_running=s.num_running, num_waiting=s.num_waiting + s.num_reserved,
             num_cached_blocks=s.num_cached_blocks, max_num_seqs=s.max_num_seqs,
             block_size=s.block_size, tp_size=s.tp_size,
+            num_spec_verifications=s.num_spec_verifications,
+            num_draft_tokens=s.num_draft_tokens, num_accepted_tokens=s.num_accepted_tokens,
         )
 
     @staticmethod
@@ -195,7 +198,10 @@ class DecodeService:
             DecodeServicer(worker, worker_id, stall_timeout_s, orphan_after_s), self.server
         )
         self.server.start()
-        logger.info("decode worker %s serving on %s", worker_id, self.address)
+        speculative = worker.config.speculative
+        logger.info("decode worker %s serving on %s; speculative decoding: %s", worker_id,
+                    self.address, "off" if speculative is None else json.dumps(
+                        speculative.to_dict(), sort_keys=True))
 
     def stop(self) -> None:
         self.server.stop(grace=1.0).wait()

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from pdserve.engine.spec.config import SpeculativeConfig
+
 logger = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -174,9 +176,17 @@ class CacheConfig:
             raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES}, got {self.cache_dtype!r}")
 
 
-def with_num_blocks(cache: CacheConfig, model: ModelConfig) -> CacheConfig:
-    """Size the pool from the memory budget; refuse a pool that can't hold one full context."""
-    bytes_per_block = cache.block_size * model.kv_bytes_per_token(cache.cache_dtype)
+def with_num_blocks(
+    cache: CacheConfig, model: ModelConfig, draft: ModelConfig | None = None
+) -> CacheConfig:
+    """Size the pool from the memory budget; refuse a pool that can't hold one full context.
+
+    A draft model (speculative decoding) keeps its own KV in the same blocks: each block then
+    costs both models' bytes."""
+    per_token = model.kv_bytes_per_token(cache.cache_dtype)
+    if draft is not None:
+        per_token += draft.kv_bytes_per_token(cache.cache_dtype)
+    bytes_per_block = cache.block_size * per_token
     num_blocks = cache.num_blocks or cache.kv_cache_memory_bytes // bytes_per_block
     if num_blocks * cache.block_size < model.max_model_len:
         raise ValueError(
@@ -219,6 +229,7 @@ class EngineConfig:
     num_threads: int | None = None
     seed: int = 0
     kernel_backend: str | None = None
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and not 1 <= self.num_threads <= (os.cpu_count() or 1):

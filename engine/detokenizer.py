@@ -62,6 +62,9 @@ def _cleans_up(tokenizer: Any) -> bool:
 @dataclass(frozen=True)
 class DetokenizerUpdate:
     delta: str  # text released by this update
+    # How many of the update's tokens the output keeps: all of them, or with a stop string
+    # those through the one that completed it (tokens after it are dropped, as the text is).
+    num_tokens: int
     stop_string: str | None = None  # the stop string hit; the request must finish
 
 
@@ -115,11 +118,23 @@ class IncrementalDetokenizer:
         return self._finished
 
     def update(self, new_token_ids: Sequence[int]) -> DetokenizerUpdate:
-        """Adds the step's new tokens; returns the text now safe to release."""
+        """Adds the step's new tokens; returns the text now safe to release.
+
+        Several tokens at once (speculative decoding, coalesced steps) with stop strings are
+        fed one at a time: the update then ends at the token that completed a stop string,
+        with the text and stop string one token per update would give (the first stop string
+        completed, not the earliest starting one in the whole update's text).
+        """
         assert not self._finished, "update() after a stop string or flush()"
-        self._token_ids.extend(new_token_ids)
-        self._decode_window(final=False)
-        return self._release(final=False)
+        if not self._stop or len(new_token_ids) <= 1:
+            return self._add(new_token_ids)
+        deltas: list[str] = []
+        for i, token_id in enumerate(new_token_ids):
+            update = self._add((token_id,))
+            deltas.append(update.delta)
+            if update.stop_string is not None:
+                return DetokenizerUpdate("".join(deltas), i + 1, update.stop_string)
+        return DetokenizerUpdate("".join(deltas), len(new_token_ids))
 
     def flush(self) -> str:
         """Releases everything held back (half characters as U+FFFD); ends the stream.
@@ -130,9 +145,15 @@ class IncrementalDetokenizer:
         if self._finished:
             return ""
         self._decode_window(final=True)
-        delta = self._release(final=True).delta
+        delta, _ = self._release(final=True)
         self._finished = True
         return delta
+
+    def _add(self, new_token_ids: Sequence[int]) -> DetokenizerUpdate:
+        self._token_ids.extend(new_token_ids)
+        self._decode_window(final=False)
+        delta, stop_string = self._release(final=False)
+        return DetokenizerUpdate(delta, len(new_token_ids), stop_string)
 
     def _initial_context(self, prompt_token_ids: Sequence[int]) -> tuple[list[int], str]:
         prompt = list(prompt_token_ids)
@@ -167,7 +188,8 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._token_ids)
         self._prefix_text = None
 
-    def _release(self, final: bool) -> DetokenizerUpdate:
+    def _release(self, final: bool) -> tuple[str, str | None]:
+        """The text now safe to release, and the stop string it was cut at."""
         start = self._num_released
         stop_at, stop_string = self._find_stop(start)
         if stop_string is not None:
@@ -179,7 +201,7 @@ class IncrementalDetokenizer:
         else:
             end = max(start, len(self._decoded) - self._num_held_chars)
         self._num_released = end
-        return DetokenizerUpdate(self._decoded[start:end], stop_string)
+        return self._decoded[start:end], stop_string
 
     def _find_stop(self, start: int) -> tuple[int, str | None]:
         """Earliest stop string starting at or after `start` (shortest on a tie).

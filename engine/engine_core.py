@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+import time
 
-from pdserve.engine.config import EngineConfig, with_num_blocks
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.model_runner import ModelRunner
@@ -14,6 +14,7 @@ from pdserve.engine.plan_broadcast import publish, publish_plan
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import EngineCoreOutput, RunnerOutput, SchedulerOutput
+from pdserve.engine.spec.make import make_speculator, sized
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ class EngineCore:
         connector: KVConnector | None = None,
     ) -> None:
         self.tp = tp or TensorParallel()
-        self.config = replace(config, cache=with_num_blocks(config.cache, config.model))
+        self.config = sized(config)
         cache = self.config.cache
         self.kv_cache = KVCacheManager(
             cache.num_blocks, cache.block_size, cache.enable_prefix_caching
@@ -40,6 +41,7 @@ class EngineCore:
             self.config.scheduler, self.kv_cache, config.model.max_model_len, connector
         )
         self.runner = ModelRunner(self.config, self.tp, connector)
+        self.speculator = make_speculator(self.config, self.kv_cache)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -58,8 +60,13 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         plan = self.scheduler.schedule()
+        start = time.perf_counter()
         result = self._execute(plan)
-        return self.scheduler.update(plan, result)
+        seconds = time.perf_counter() - start
+        outputs = self.scheduler.update(plan, result)
+        if self.speculator is not None:
+            self.speculator.after_step(plan, seconds, self.scheduler)
+        return outputs
 
     def abort_step(self, reason: str) -> list[EngineCoreOutput]:
         """After `step` raised: end the requests of the step that never completed."""

@@ -7,6 +7,7 @@ ends a request when a stop string appears (freeing its blocks at once).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -108,6 +109,8 @@ class LLMEngine:
         rid = core_out.request_id
         out, detok = self._outputs[rid], self._detokenizers.get(rid, _NO_TEXT)
         update = detok.update(core_out.new_token_ids)
+        # with several tokens in the step, those after one completing a stop string are dropped
+        new_token_ids = core_out.new_token_ids[: update.num_tokens]
         delta_text = update.delta
         finish_reason, stop_reason = core_out.finish_reason, core_out.stop_reason
         if update.stop_string is not None:
@@ -116,12 +119,12 @@ class LLMEngine:
             finish_reason, stop_reason = "stop", update.stop_string
         elif finish_reason is not None:
             delta_text += detok.flush()
-        out.token_ids.extend(core_out.new_token_ids)
-        out.delta_token_ids = list(core_out.new_token_ids)
+        out.token_ids.extend(new_token_ids)
+        out.delta_token_ids = list(new_token_ids)
         out.text += delta_text
         out.delta_text = delta_text
         if out.logprobs is not None:
-            out.logprobs.extend(core_out.new_logprobs)
+            out.logprobs.extend(core_out.new_logprobs[: update.num_tokens])
         out.num_cached_tokens = core_out.num_cached_tokens
         if finish_reason is not None:
             out.finished, out.finish_reason, out.stop_reason = True, finish_reason, stop_reason
@@ -134,8 +137,8 @@ class _NoText:
     """The detokenizer of an engine without a tokenizer: no text, no stop strings."""
 
     @staticmethod
-    def update(token_ids: object) -> DetokenizerUpdate:
-        return DetokenizerUpdate("")
+    def update(token_ids: Sequence[int]) -> DetokenizerUpdate:
+        return DetokenizerUpdate("", len(token_ids))
 
     @staticmethod
     def flush() -> str:

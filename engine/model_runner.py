@@ -21,13 +21,20 @@ from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.loader import load_weights
 from pdserve.engine.models import MODEL_CLASSES
 from pdserve.engine.models.parallel import TensorParallel, pack_weights
-from pdserve.engine.sampler import Sampler, SamplingBatch, make_generator
+from pdserve.engine.sampler import (
+    MIN_TEMPERATURE,
+    Sampler,
+    SamplerOutput,
+    SamplingBatch,
+    make_generator,
+)
 from pdserve.engine.scheduler_output import (
     RunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
     TokenLogprobs,
 )
+from pdserve.engine.spec.verify import Group, verify
 from pdserve.kernels.kv_quant import allocate_kv_cache
 from pdserve.kernels.registry import get_backend
 
@@ -107,6 +114,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_rows])  # [num_sampling, vocab]
         if self.tp.rank != 0:  # followers took part in the gather; rank 0 samples
             return RunnerOutput({}, {})
+        if any(e.num_spec_tokens for e in sampling):
+            return self._verify(sampling, logits)
         batch = SamplingBatch.from_params(
             [e.sampling_params for e in sampling],
             [self._generator(e) for e in sampling],
@@ -114,7 +123,23 @@ class ModelRunner:
             self.device,
         )
         out = self.sampler(logits, batch)
-        return _runner_output(sampling, out)
+        return _runner_output(sampling, [[t] for t in out.token_ids.tolist()], out)
+
+    def _verify(self, sampling: list[ScheduledRequest], logits: torch.Tensor) -> RunnerOutput:
+        """A step with drafts: each request's logits rows (one per draft and one before)
+        decide how many of its drafts hold (engine.spec.verify)."""
+        params, groups = [], []
+        for e in sampling:
+            p = e.sampling_params
+            seeded = p.seed is not None and p.temperature >= MIN_TEMPERATURE
+            drafts = e.token_ids[e.num_tokens - e.num_spec_tokens:]
+            groups.append(Group(len(params), drafts, self._generator(e) if seeded else None))
+            params += [p] * (e.num_spec_tokens + 1)
+        batch = SamplingBatch.from_params(
+            params, [None] * len(params), self.config.model.vocab_size, self.device
+        )
+        emitted, out = verify(self.sampler, logits, batch, groups)
+        return _runner_output(sampling, emitted, out)
 
     def _generator(self, entry: ScheduledRequest) -> torch.Generator | None:
         if entry.request_id not in self._generators:
@@ -157,22 +182,34 @@ class ModelRunner:
                 t(tables[num_decodes:]), t(qsl), t(ctx), int(q_lens.max()), int(ctx.max())
             )
         meta = AttentionMetadata(t(slots), num_decodes, decode, prefill)
-        sample_rows = [int(ends[i]) - 1 for i, e in enumerate(reqs) if e.sampling_params]
+        sample_rows = [  # the last token's, and with drafts every draft's and the one before
+            row for i, e in enumerate(reqs) if e.sampling_params
+            for row in range(int(ends[i]) - 1 - e.num_spec_tokens, int(ends[i]))
+        ]
         return t(token_ids), t(positions), meta, torch.tensor(sample_rows, device=self.device)
 
 
-def _runner_output(sampling: list[ScheduledRequest], out) -> RunnerOutput:
-    token_ids = out.token_ids.tolist()
-    sampled = {e.request_id: tok for e, tok in zip(sampling, token_ids)}
-    logprobs: dict[str, TokenLogprobs] = {}
-    if out.logprobs is not None:
-        chosen = out.logprobs.tolist()
-        top_ids = out.top_logprob_ids.tolist() if out.top_logprob_ids is not None else None
-        top_vals = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        for i, e in enumerate(sampling):
-            n = e.sampling_params.logprobs
-            if n is None:
-                continue
-            top = tuple(zip(top_ids[i][:n], top_vals[i][:n])) if n and top_ids else ()
-            logprobs[e.request_id] = TokenLogprobs(token_ids[i], chosen[i], top)
+def _runner_output(
+    sampling: list[ScheduledRequest], emitted: list[list[int]], out: SamplerOutput
+) -> RunnerOutput:
+    """Each request's tokens, and their logprobs when asked; `out` has one row per token."""
+    sampled = {e.request_id: tuple(tokens) for e, tokens in zip(sampling, emitted)}
+    logprobs: dict[str, tuple[TokenLogprobs, ...]] = {}
+    if out.logprobs is None:
+        return RunnerOutput(sampled, logprobs)
+    chosen = out.logprobs.tolist()
+    top_ids = out.top_logprob_ids.tolist() if out.top_logprob_ids is not None else None
+    top_vals = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+    row = 0
+    for e, tokens in zip(sampling, emitted):
+        n = e.sampling_params.logprobs
+        if n is not None:
+            logprobs[e.request_id] = tuple(
+                TokenLogprobs(
+                    token, chosen[r],
+                    tuple(zip(top_ids[r][:n], top_vals[r][:n])) if n and top_ids else (),
+                )
+                for r, token in enumerate(tokens, row)
+            )
+        row += len(tokens)
     return RunnerOutput(sampled, logprobs)

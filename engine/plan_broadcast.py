@@ -40,6 +40,7 @@ def encode_plan(plan: SchedulerOutput) -> dict[str, Any]:
             "blocks": list(e.block_ids),
             "params": dataclasses.asdict(e.sampling_params) if e.sampling_params else None,
             "outputs": e.num_output_tokens,
+            "spec": e.num_spec_tokens,
         }
         for e in plan.requests
     ]
@@ -55,6 +56,7 @@ def decode_plan(body: dict[str, Any]) -> SchedulerOutput:
             block_ids=tuple(int(b) for b in r["blocks"]),
             sampling_params=SamplingParams(**r["params"]) if r["params"] else None,
             num_output_tokens=int(r["outputs"]),
+            num_spec_tokens=int(r["spec"]),
         )
         for r in body["requests"]
     )

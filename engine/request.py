@@ -55,6 +55,9 @@ class Request:
     # A request moved here from a worker that died: the prompt's last this-many tokens were
     # generated there, so its seeded sampler skips that many draws (the stream continues)
     num_prior_output_tokens: int = 0
+    # Speculative decoding: tokens proposed to follow this one-token-behind request, verified
+    # in its next step (set by the proposer, taken by the scheduler's next plan).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -79,6 +82,18 @@ class Request:
     def num_sampled_tokens(self) -> int:
         """Tokens sampled for this request so far, here and on the worker it came from."""
         return self.num_prior_output_tokens + len(self.output_token_ids)
+
+    def append_output(
+        self, token_ids: tuple[int, ...], max_model_len: int
+    ) -> tuple[int, RequestStatus | None]:
+        """Append sampled tokens one by one up to the first that ends the request (EOS, a
+        stop token, max_tokens, the context window): how many were appended, and the end."""
+        for num, token_id in enumerate(token_ids, 1):
+            self.output_token_ids.append(token_id)
+            status = self.stop_status(token_id, max_model_len)
+            if status is not None:
+                return num, status
+        return len(token_ids), None
 
     def stop_status(self, token_id: int, max_model_len: int) -> RequestStatus | None:
         """Whether appending `token_id` (already appended) ends the request, and how."""

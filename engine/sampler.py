@@ -133,14 +133,25 @@ class Sampler:
         if logits.device != batch.temperature.device:
             raise ValueError(f"logits on {logits.device}, batch on {batch.temperature.device}")
         logits = logits.float()
-        token_ids = self._sample(logits, batch)
-        return _with_logprobs(logits, token_ids, batch.max_num_logprobs)
+        token_ids = self.sample_tokens(logits, batch)
+        return with_logprobs(logits, token_ids, batch.max_num_logprobs)
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def sample_tokens(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """[B, V] fp32 logits -> [B] token ids."""
         # max().indices, not argmax(): the same first-index tie rule, ~2.5x faster on CPU
         greedy_ids = logits.max(dim=-1).indices if batch.any_greedy else None  # [B]
         if batch.all_greedy:
             return greedy_ids
+        x = self.process(logits, batch)
+        noise = self._exponential_noise(x, batch)  # [B, V]
+        sampled = (x - noise.log_()).max(dim=-1).indices  # [B]
+        if greedy_ids is None:
+            return sampled
+        return torch.where(batch.greedy, greedy_ids, sampled)
+
+    @staticmethod
+    def process(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Temperature, then top-k / top-p, then min-p: the logits the noise is added to."""
         x = logits / batch.temperature.unsqueeze(1)  # [B, V]
         if batch.use_top_p:
             x = _apply_top_k_top_p(x, batch.top_k if batch.use_top_k else None, batch.top_p)
@@ -148,11 +159,7 @@ class Sampler:
             x = _apply_top_k(x, batch.top_k, batch.max_top_k)
         if batch.use_min_p:
             x = _apply_min_p(x, batch.min_p)
-        noise = self._exponential_noise(x, batch)  # [B, V]
-        sampled = (x - noise.log_()).max(dim=-1).indices  # [B]
-        if greedy_ids is None:
-            return sampled
-        return torch.where(batch.greedy, greedy_ids, sampled)
+        return x
 
     def _exponential_noise(self, x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         noise = torch.empty_like(x)  # [B, V]
@@ -161,8 +168,7 @@ class Sampler:
         for row in batch.seeded_rows:
             # A fresh [V] draw per request: its values depend only on its generator's state.
             noise[row] = draw_noise(batch.generators[row], x.shape[1], x.device)
-        # Exp(1) can round to 0; log(0) = -inf would turn a masked token's -inf into NaN.
-        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+        return clamp_noise(noise)
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)
@@ -174,6 +180,11 @@ class Sampler:
                 generator.manual_seed(self._seed)
             self._generators[device] = generator
         return generator
+
+
+def clamp_noise(noise: torch.Tensor) -> torch.Tensor:
+    # Exp(1) can round to 0; log(0) = -inf would turn a masked token's -inf into NaN.
+    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
 
 def _check_batch_args(
@@ -234,7 +245,7 @@ def _apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(gap < min_p.log().unsqueeze(1), float("-inf"))  # log(0) = -inf
 
 
-def _with_logprobs(
+def with_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int | None
 ) -> SamplerOutput:
     if num_logprobs is None:

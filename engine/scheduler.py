@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
 
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
@@ -30,16 +29,9 @@ from pdserve.engine.scheduler_output import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from pdserve.engine.scheduler_stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SchedulerStats:
-    num_computed_tokens: int = 0  # tokens run through the model, all steps
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    num_preemptions: int = 0
-    num_steps: int = 0
 
 
 class Scheduler:
@@ -140,8 +132,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_left = request.num_tokens - request.num_computed_tokens
+            num_new = min(num_left + len(request.spec_token_ids), budget)
             while not self.kv_cache.allocate(request, num_new):
+                if num_new > num_left:  # drafts go before anyone is preempted
+                    request.spec_token_ids.clear()
+                    num_new = num_left
+                    continue
                 preempted = True
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -181,18 +178,28 @@ class Scheduler:
             request = self.requests.get(entry.request_id)
             if request is None:  # finished from outside while the step ran
                 continue
-            request.num_computed_tokens += entry.num_tokens
+            token_ids = result.sampled_token_ids.get(entry.request_id, ())
+            num_accepted = len(token_ids) - 1 if entry.num_spec_tokens else 0
+            request.num_computed_tokens += entry.num_tokens - entry.num_spec_tokens
             self.stats.num_computed_tokens += entry.num_tokens
+            if entry.num_spec_tokens:
+                self.stats.num_spec_verifications += 1
+                self.stats.num_draft_tokens += entry.num_spec_tokens
+                self.stats.num_accepted_tokens += num_accepted
             self.kv_cache.cache_computed_blocks(request)
             save = result.kv_saves.get(entry.request_id)
             if save is not None and save.error is not None:  # its KV never reached decode
                 self.running.remove(request)
                 outputs.append(self._end(request, RequestStatus.FINISHED_ERROR, save.error))
                 continue
-            token_id = result.sampled_token_ids.get(entry.request_id)
-            if token_id is not None:
-                logprobs = result.logprobs.get(entry.request_id)
-                outputs.append(self._append_token(request, token_id, logprobs, save))
+            if token_ids:
+                logprobs = result.logprobs.get(entry.request_id, ())
+                outputs.append(self._append_tokens(request, token_ids, logprobs, save))
+            if num_accepted and not request.status.finished:
+                # The accepted drafts' KV is kept; rejected drafts' slots are rolled back
+                # (written over next step), and no block hash ever covers them.
+                request.num_computed_tokens += num_accepted
+                self.kv_cache.cache_computed_blocks(request)
         return outputs
 
     def _apply_connector_events(self) -> None:
@@ -216,19 +223,19 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.kv_cache.cache_computed_blocks(request)
         self.running.append(request)
-        return self._append_token(request, arrival.first_token, arrival.logprobs)
+        logprobs = (arrival.logprobs,) if arrival.logprobs else ()
+        return self._append_tokens(request, (arrival.first_token,), logprobs)
 
-    def _append_token(
-        self, request: Request, token_id: int, logprobs: TokenLogprobs | None,
+    def _append_tokens(
+        self, request: Request, token_ids: tuple[int, ...], logprobs: tuple[TokenLogprobs, ...],
         kv_save: KVSaveResult | None = None,
     ) -> EngineCoreOutput:
-        """Append a sampled token to a running request; finish it if that ends it."""
-        request.output_token_ids.append(token_id)
-        status = request.stop_status(token_id, self.max_model_len)
+        """Append sampled tokens to a running request (up to the first that ends it)."""
+        num, status = request.append_output(token_ids, self.max_model_len)
         out = EngineCoreOutput(
             request_id=request.request_id,
-            new_token_ids=(token_id,),
-            new_logprobs=(logprobs,) if logprobs else (),
+            new_token_ids=token_ids[:num],
+            new_logprobs=logprobs[:num],
             finish_reason=status.finish_reason if status else None,
             stop_reason=request.stop_reason if status else None,
             num_cached_tokens=request.num_cached_tokens,
@@ -250,17 +257,22 @@ class Scheduler:
         entries = []
         for request, num_new in scheduled:
             start = request.num_computed_tokens
-            samples = start + num_new == request.num_tokens
+            num_spec = max(start + num_new - request.num_tokens, 0)
+            samples = start + num_new >= request.num_tokens
             completes_prompt = start < request.num_prompt_tokens <= start + num_new
+            token_ids = request.token_slice(start, start + num_new - num_spec)
+            token_ids += request.spec_token_ids[:num_spec]
+            request.spec_token_ids.clear()
             entries.append(
                 ScheduledRequest(
                     request_id=request.request_id,
-                    token_ids=tuple(request.token_slice(start, start + num_new)),
+                    token_ids=tuple(token_ids),
                     num_computed_tokens=start,
                     block_ids=tuple(self.kv_cache.block_ids(request.request_id)),
                     sampling_params=request.sampling_params if samples else None,
                     num_output_tokens=request.num_sampled_tokens,
                     kv_transfer=request.kv_transfer if completes_prompt else None,
+                    num_spec_tokens=num_spec,
                 )
             )
         entries.sort(key=lambda e: e.num_tokens != 1)  # decode-shaped first, order kept
@@ -270,6 +282,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         logger.debug("preempting %s at %d tokens", request.request_id, request.num_tokens)
         self.kv_cache.free(request)
+        request.spec_token_ids.clear()
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED

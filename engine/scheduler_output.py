@@ -19,6 +19,9 @@ class ScheduledRequest:
     block_ids: tuple[int, ...]  # the request's whole block table
     sampling_params: SamplingParams | None  # None: a prefill chunk that samples nothing
     num_output_tokens: int = 0  # tokens the request has generated so far (here or elsewhere)
+    # Speculative decoding: the last this-many of token_ids are proposed drafts to verify
+    # (sampled at every one of them and at the token before).
+    num_spec_tokens: int = 0
     # The request's KV-connector parameters, on the entry that computes its prompt's last
     # token (its prompt KV is complete after this step): a prefill worker pushes it there.
     # Not part of the TP broadcast: followers never push.
@@ -35,7 +38,7 @@ class SchedulerOutput:
     finished_request_ids: tuple[str, ...] = ()  # the runner drops their per-request state
 
     @property
-    def num_decodes(self) -> int:
+    def num_decodes(self) -> int:  # one token each, so no drafts
         return sum(1 for r in self.requests if r.num_tokens == 1)
 
     @property
@@ -63,8 +66,10 @@ class KVSaveResult:
 
 @dataclass(frozen=True)
 class RunnerOutput:
-    sampled_token_ids: dict[str, int]  # only requests whose plan entry asked for a sample
-    logprobs: dict[str, TokenLogprobs]
+    # Only requests whose plan entry asked for a sample: one token, or with drafts the
+    # accepted drafts and then the target's own token.
+    sampled_token_ids: dict[str, tuple[int, ...]]
+    logprobs: dict[str, tuple[TokenLogprobs, ...]]  # one per sampled token, when asked
     kv_saves: dict[str, KVSaveResult] = field(default_factory=dict)  # by the KV connector
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, load_model_config
+from pdserve.engine.spec.config import parse_speculative_config
 from pdserve.redis_keys import DEFAULT_NAMESPACE
 from pdserve.tls import TLSFiles
 from pdserve.worker_grpc import check_worker_tls, worker_tls
@@ -35,6 +36,9 @@ class WorkerSpec:
     kernel_backend: str | None = None
     seed: int = 0
     num_threads: int | None = None
+    # Speculative decoding (SpeculativeConfig's fields, plain JSON): decode workers only; the
+    # launcher never gives it to a prefill worker. None: no speculation.
+    speculative_config: dict[str, Any] | None = None
     host: str = "127.0.0.1"  # where its gRPC service and KV endpoints bind; "auto": node IP
     # prefill workers publish their prefix-cache events there; no credentials in it (the
     # password reaches the worker in its environment, defaults.REDIS_PASSWORD_ENV)
@@ -58,6 +62,7 @@ class WorkerSpec:
 
     def __post_init__(self) -> None:
         check_worker_tls(self._tls_paths())
+        parse_speculative_config(self.speculative_config)  # a bad field fails here, named
         for name in ("max_reservation_s", "stall_timeout_s", "tp_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
@@ -96,6 +101,7 @@ class WorkerSpec:
             num_threads=self.num_threads,
             seed=self.seed,
             kernel_backend=self.kernel_backend,
+            speculative=parse_speculative_config(self.speculative_config),
         )
 
     def with_resolved_host(self) -> WorkerSpec:

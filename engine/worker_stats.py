@@ -1,8 +1,10 @@
 """WorkerStats: a worker's load, as its gRPC service reports it (proto/worker.proto WorkerLoad).
 
-One message for both roles: a prefill worker reserves nothing and a decode worker's
-`num_computed_tokens` counts its local prefills. Read on the engine's loop thread, or as a
-racy-but-harmless snapshot from another one.
+One message for both roles: a prefill worker reserves nothing (nor speculates) and a decode
+worker's `num_computed_tokens` counts its local prefills. The speculative decoding counts are
+cumulative since the worker started (acceptance rate = accepted / draft tokens; mean accepted
+length = (accepted + verifications) / verifications, the tokens one verification emits).
+Read on the engine's loop thread, or as a racy-but-harmless snapshot from another one.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ class WorkerStats:
     max_num_seqs: int
     block_size: int
     tp_size: int
+    num_spec_verifications: int  # one sequence's drafts checked in one step
+    num_draft_tokens: int  # drafts verified
+    num_accepted_tokens: int  # drafts accepted
 
     @property
     def num_used_blocks(self) -> int:
@@ -46,4 +51,7 @@ class WorkerStats:
             max_num_seqs=config.scheduler.max_num_seqs,
             block_size=config.cache.block_size,
             tp_size=core.tp.size,
+            num_spec_verifications=scheduler.stats.num_spec_verifications,
+            num_draft_tokens=scheduler.stats.num_draft_tokens,
+            num_accepted_tokens=scheduler.stats.num_accepted_tokens,
         )

@@ -12,6 +12,7 @@ from pdserve.engine.input_processor import Prompt, chat_prompt
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.spec.config import SpeculativeConfig, parse_speculative_config
 from pdserve.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -24,6 +25,9 @@ class LLM:
     `tokenizer` names another directory to take the tokenizer from; with
     `skip_tokenizer_init=True` no tokenizer is loaded: prompts are token ids, outputs carry
     token ids and empty text, and stop strings and `chat` are refused.
+    `speculative_config` turns on speculative decoding, as vLLM's does: a dict such as
+    `{"method": "ngram", "num_speculative_tokens": 4}`, its JSON text, or a
+    SpeculativeConfig (engine/spec/config.py); a bad field is a ValueError naming it.
     """
 
     def __init__(
@@ -44,7 +48,9 @@ class LLM:
         kernel_backend: str | None = None,
         tokenizer: str | None = None,
         skip_tokenizer_init: bool = False,
+        speculative_config: SpeculativeConfig | dict | str | None = None,
     ) -> None:
+        speculative = parse_speculative_config(speculative_config)  # refused before any load
         path = resolve_model(model)
         config = EngineConfig(
             model=load_model_config(path, dtype, max_model_len),
@@ -60,6 +66,7 @@ class LLM:
             num_threads=num_threads,
             seed=seed,
             kernel_backend=kernel_backend,
+            speculative=speculative,
         )
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(path, tokenizer)
         self.engine = LLMEngine(config, self.tokenizer)

@@ -18,6 +18,7 @@ from prometheus_client.exposition import start_http_server
 from pdserve import defaults
 from pdserve.router.histogram import CountingHistogram
 from pdserve.router.metrics_merge import merge_families, parse
+from pdserve.router.metrics_speculation import SpeculationCounters
 
 logger = logging.getLogger(__name__)
 
@@ -117,12 +118,10 @@ class RouterMetrics:
         )
         for status in REQUEST_STATUSES:  # export zeros so rate() works from the first scrape
             self.requests.labels(status)
-        self.prompt_tokens = Counter(
-            "pdserve_prompt_tokens", "Prompt tokens of admitted requests.", registry=reg
-        )
-        self.generation_tokens = Counter(
-            "pdserve_generation_tokens", "Tokens generated.", registry=reg
-        )
+        self.prompt_tokens = Counter("pdserve_prompt_tokens",
+                                     "Prompt tokens of admitted requests.", registry=reg)
+        self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens generated.",
+                                         registry=reg)
         self.prefix_queries = Counter(
             "pdserve_prefix_cache_queries_tokens",
             "Prompt tokens looked up in a prefix cache.",
@@ -139,6 +138,9 @@ class RouterMetrics:
             ["outcome"], registry=reg)
         for outcome in MIGRATION_OUTCOMES:
             self.migrations.labels(outcome)
+        # decode workers' speculative decoding counts (`set` from their load reports)
+        self.speculation = SpeculationCounters()
+        reg.register(self.speculation)
 
     def _build_gauges(self) -> None:
         reg = self.registry
@@ -147,24 +149,18 @@ class RouterMetrics:
             "Workers the autoscaling planner wants per pool (what Kubernetes scales on).",
             ["role"], registry=reg,
         )
-        self.queue_depth = Gauge(
-            "pdserve_queue_depth", "Requests waiting for admission.", registry=reg
-        )
-        self.inflight = Gauge(
-            "pdserve_requests_inflight", "Requests admitted and not finished.", registry=reg
-        )
+        self.queue_depth = Gauge("pdserve_queue_depth", "Requests waiting for admission.",
+                                 registry=reg)
+        self.inflight = Gauge("pdserve_requests_inflight", "Requests admitted and not finished.",
+                              registry=reg)
         self.kv_blocks_total = Gauge(
             "pdserve_kv_blocks_total", "KV blocks of a worker.", ["worker"], registry=reg
         )
         self.kv_blocks_free = Gauge(
             "pdserve_kv_blocks_free", "Free KV blocks of a worker.", ["worker"], registry=reg
         )
-        self.kv_usage = Gauge(
-            "pdserve_kv_usage_ratio",
-            "Used / total KV blocks of a worker.",
-            ["worker"],
-            registry=reg,
-        )
+        self.kv_usage = Gauge("pdserve_kv_usage_ratio", "Used / total KV blocks of a worker.",
+                              ["worker"], registry=reg)
         self.worker_up = Gauge(
             "pdserve_worker_up",
             "1 when the worker answers health checks.",
@@ -244,6 +240,7 @@ class RouterMetrics:
         self.worker_up.remove_by_labels({"worker": worker_id})
         for gauge in (self.kv_blocks_total, self.kv_blocks_free, self.kv_usage):
             gauge.remove(worker_id)
+        self.speculation.remove(worker_id)
 
     def set_redis_up(self, up: bool) -> None:
         self.redis_up.set(1 if up else 0)

@@ -4,8 +4,9 @@ Each router process keeps its own registry; the service process serves the whole
 its /metrics. The rule, per family: counters, histograms and summaries are summed sample by
 sample (same name, same labels), as are the gauges of work held by a router
 (`SUMMED_GAUGES`: its queue and in-flight requests); every other gauge (a worker's health and
-KV blocks, Redis health, the planner's wish, `_created` timestamps) is the service process's
-own, because every router sees the same workers. A summed sample that only another process
+KV blocks, Redis health, the planner's wish, `_created` timestamps) and the counters workers
+report (`WORKER_COUNTERS`: speculative decoding) are the service process's own, because every
+router sees the same workers. A summed sample that only another process
 has (a label set the first never used) is added as it is.
 """
 
@@ -19,14 +20,20 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from pdserve.router.metrics_speculation import SPEC_COUNTERS
+
 logger = logging.getLogger(__name__)
 
 # gauges that count what one router holds: the service's value is the sum over routers
 SUMMED_GAUGES: frozenset[str] = frozenset({"pdserve_queue_depth", "pdserve_requests_inflight"})
+# counters a worker keeps and every router copies from its load reports: never summed
+WORKER_COUNTERS: frozenset[str] = frozenset(SPEC_COUNTERS)
 _SUMMED_TYPES = frozenset({"counter", "histogram", "summary", "gaugehistogram"})
 
 
 def is_summed(family: Metric) -> bool:
+    if family.name in WORKER_COUNTERS:
+        return False
     return family.type in _SUMMED_TYPES or family.name in SUMMED_GAUGES
 
 
@@ -58,8 +65,10 @@ def merge_expositions(own: str, others: Sequence[str]) -> str:
 
 def totals_only(text: str) -> str:
     """What a router process leaves behind when it ends: its counters and histograms (the
-    service's totals must not go down), none of its gauges."""
-    return render([f for f in parse(text) if f.type in _SUMMED_TYPES])
+    service's totals must not go down), none of its gauges nor its copies of workers'
+    counters (the workers still count)."""
+    return render([f for f in parse(text)
+                   if f.type in _SUMMED_TYPES and f.name not in WORKER_COUNTERS])
 
 
 def parse(text: str) -> list[Metric]:

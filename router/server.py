@@ -130,6 +130,9 @@ class InferenceServicer:
                 num_used_blocks=load.num_used_blocks, num_running=load.num_running,
                 num_waiting=load.num_waiting, num_cached_blocks=load.num_cached_blocks,
                 tp_size=load.tp_size or 1,
+                num_spec_verifications=load.num_spec_verifications,
+                num_draft_tokens=load.num_draft_tokens,
+                num_accepted_tokens=load.num_accepted_tokens,
             ))
         return stats
 
@@ -240,3 +243,6 @@ class RouterServer:
             load = c.load
             metrics.set_worker(c.worker_id, c.role, c.up, load.num_blocks if load else 0,
                                load.num_free_blocks if load else 0)
+            if c.role == "decode" and load is not None:  # prefill workers never speculate
+                metrics.speculation.set(c.worker_id, load.num_spec_verifications,
+                                        load.num_draft_tokens, load.num_accepted_tokens)

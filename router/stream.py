@@ -105,8 +105,12 @@ class ResponseStream:
 
     def _message(self, token_ids: list[int],
                  logprobs: list) -> tuple[pdserve_pb2.GenerateResponse, str | None]:
-        """The message for these new tokens, and the stop string they completed, if any."""
+        """The message for these new tokens, and the stop string they completed, if any: then
+        it ends at the token that completed it (several come at once when the worker
+        speculates or the reader fell behind), the same output as one token per message."""
         now = time.monotonic()
+        update = self.detok.update(token_ids)
+        token_ids, logprobs = token_ids[: update.num_tokens], logprobs[: update.num_tokens]
         if token_ids:
             if self.first_at is None:
                 self.first_at = now
@@ -117,7 +121,6 @@ class ResponseStream:
                 self.metrics.observe_itl(now - self.last_at, len(token_ids))
             self.last_at = now
         self.token_ids += token_ids
-        update = self.detok.update(token_ids)
         message = pdserve_pb2.GenerateResponse(request_id=self.req.request_id, text=update.delta,
                                                token_ids=token_ids, logprobs=logprobs)
         return message, update.stop_string

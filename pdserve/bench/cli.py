@@ -9,7 +9,8 @@
 Arrivals: Poisson at `--rate` (gamma gaps with `--burstiness`; inf = all at once), a sweep of
 rates (`--rates`), or a fixed `--concurrency` (closed loop). Writes `--json` and `--png`. When
 the router's /metrics is reachable it also prints the router's own TTFT and ITL medians over
-the run (the difference of two scrapes) beside the ones measured here.
+the run (the difference of two scrapes) beside the ones measured here, and, when the
+deployment speculates, the acceptance rate and mean accepted length over the run.
 """
 
 from __future__ import annotations
@@ -24,11 +25,15 @@ from collections.abc import AsyncIterator
 from pdserve import defaults
 from pdserve.bench import arrivals, interrupts, metrics, report, workloads
 from pdserve.bench.runner import Job, Send, grpc_send, run_jobs
+from pdserve.bench.speculation import format_speculation, speculation_between
 from pdserve.client.options import add_connection_args, connection_kwargs
 from pdserve.router.metrics_text import quantile_between
 
 ROUTER_HISTOGRAMS = {"ttft": "pdserve_time_to_first_token_seconds",
                      "itl": "pdserve_inter_token_latency_seconds"}
+# The router copies workers' counters (speculation) from load reports, polled every 0.2 s and
+# exported every 0.5 s: the scrape after a run waits this long to see the run's last steps.
+WORKER_COUNTERS_LAG_S = 1.0
 
 
 def add_parser(sub) -> None:
@@ -115,9 +120,15 @@ async def _bench(args: argparse.Namespace) -> int:
             summary = metrics.summarize(records, duration, slo)
             label = f"{rate:g} req/s" if math.isfinite(rate) else "all at once"
             print(report.format_table(summary, title=f"pdserve bench: {args.workload}, {label}"))
-            comparison = _compare(summary, before, _scrape(args.metrics_url))
+            if args.metrics_url:
+                await asyncio.sleep(WORKER_COUNTERS_LAG_S)
+            after = _scrape(args.metrics_url)
+            comparison = _compare(summary, before, after)
             for line in comparison.get("lines", []):
                 print(line)
+            if (speculation := speculation_between(before, after)) is not None:
+                comparison["speculation"] = speculation.to_dict()
+                print(format_speculation(speculation))
             runs.append((label, records))
             sweep.append((rate, summary))
             comparisons.append(comparison)

@@ -153,7 +153,8 @@ class Service:
         return given or max(1, (os.cpu_count() or 2) // processes)
 
     def _make_pool(self, model_path: str, model_name: str, redis_url: str):
-        from pdserve.engine.config import load_model_config, with_num_blocks
+        from pdserve.engine.spec.config import parse_speculative_config
+        from pdserve.engine.spec.make import sized
         from pdserve.engine.worker_spec import WorkerSpec
         from pdserve.launch.pool import WorkerPool
         from pdserve.launch.redis_server import split_password
@@ -167,6 +168,9 @@ class Service:
         tls = {} if self.worker_tls is None else {
             f"tls_{name}": os.path.abspath(getattr(self.worker_tls, name))
             for name in ("cert", "key", "ca")}
+        # only the workers that decode speculate (colocated ones are decode workers too)
+        parsed = parse_speculative_config(s.speculative_config)
+        speculative = None if parsed is None else parsed.to_dict()
 
         def spec(worker_id: str, role: str) -> WorkerSpec:
             return WorkerSpec(
@@ -178,6 +182,7 @@ class Service:
                 device=s.device, kernel_backend=s.kernel_backend, seed=s.seed,
                 num_threads=self._threads(role), host=s.worker_host,
                 redis_url=redis_url if role == "prefill" else None,
+                speculative_config=speculative if role == "decode" else None,
                 redis_namespace=s.redis_namespace, max_reservation_s=reservation_s,
                 tp_timeout_s=reservation_s + 30.0, **tls,
             )
@@ -186,8 +191,8 @@ class Service:
         prefill = [spec(f"prefill-{i}", "prefill") for i in range(self._num_prefill)]
         decode = [spec(f"decode-{i}", "decode") for i in range(s.decode_workers)]
         # bad engine settings fail here, naming the field, not later inside a remote actor
-        with_num_blocks(replace(decode[0], num_threads=None).engine_config().cache,
-                        load_model_config(model_path, s.dtype, s.max_model_len))
+        # (a draft model too: its config, and a pool holding its KV beside the target's)
+        sized(replace(decode[0], num_threads=None).engine_config())
         return WorkerPool(
             prefill=prefill,
             decode=decode,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import math
 import os
 import types
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import defaults
+from pdserve.engine.spec.config import parse_speculative_config
 from pdserve.redis_keys import DEFAULT_NAMESPACE
 from pdserve.tls import TLSFiles
 from pdserve.worker_grpc import worker_tls
@@ -27,8 +29,8 @@ from pdserve.worker_grpc import worker_tls
 ENV_PREFIX = "PDSERVE_"
 
 
-def _opt(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+def _opt(default: Any, help: str, **meta: Any) -> Any:
+    return field(default=default, metadata={"help": help, **meta})
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,10 @@ class ServeSettings:
     device: str = _opt("cpu", "torch device of the workers: cpu | cuda")
     kernel_backend: str | None = _opt(None, "cpu | torch | triton (default: by device)")
     seed: int = _opt(0, "engine seed for unseeded sampling")
+    speculative_config: str | None = _opt(
+        None, "speculative decoding in the decode (and colocated) workers, JSON as vLLM's: "
+        '{"method": "ngram", "num_speculative_tokens": 4} ("draft": with "model": DIR); '
+        "prefill workers never speculate; a YAML file may give the mapping itself", json=True)
     # pools
     mode: str = _opt("disaggregated", "disaggregated | colocated (each decode worker prefills "
                      "its own prompts; no prefill pool: the baseline to compare with)")
@@ -146,6 +152,7 @@ class ServeSettings:
         if self.api_token is not None and self.api_token_file is not None:
             raise ValueError("api_token and api_token_file are both set: give the token(s) "
                              "one way (api_token_file keeps them out of argv and env)")
+        parse_speculative_config(self.speculative_config)  # ValueError naming the bad field
         if not 0 < self.kv_transfer_timeout_s < math.inf:
             raise ValueError(
                 f"kv_transfer_timeout_s must be a positive number, got {self.kv_transfer_timeout_s}"
@@ -254,6 +261,8 @@ def _parse(f: dataclasses.Field, value: Any, where: str) -> Any:
         if f.default is None:
             return None
         raise ValueError(f"{where}: {f.name} needs a value")
+    if isinstance(value, Mapping) and f.metadata.get("json"):  # a YAML mapping: its JSON text
+        return json.dumps(dict(value))
     wrong = ValueError(f"{where}: {f.name} must be {_TYPE_NAMES[kind]}, got {value!r}")
     if isinstance(value, bool) != (kind is bool) and not isinstance(value, str):
         raise wrong

@@ -155,6 +155,14 @@ def test_pods_and_groups_derive_from_one_place(helm: Path, tmp_path: Path) -> No
     assert (settings.prefill_workers, settings.decode_workers, settings.decode_tp) == (8, 2, 4)
 
 
+def test_speculative_config_reaches_the_settings(helm: Path, tmp_path: Path) -> None:
+    text = '{"method": "ngram", "num_speculative_tokens": 4}'
+    values = _values(tmp_path, f"speculativeConfig: '{text}'\n")
+    settings = _settings(_render(helm, "-f", values), tmp_path)
+    assert settings.speculative_config == text
+    assert _settings(_render(helm), tmp_path).speculative_config is None  # empty: off
+
+
 def test_head_and_router(helm: Path) -> None:
     docs = _render(helm)
     cluster = _one(docs, "RayCluster")
@@ -249,8 +257,13 @@ def test_bad_pool_sizes_fail(helm: Path, tmp_path: Path, values: str, message: s
         ("decode:\n  replicas: 9\n", "decode: need 0 <= minReplicas (1) <= replicas (9)"),
         ("pdserve:\n  decode_tp: 2\n", "pdserve.decode_tp is set by the chart"),
         ("pdserve:\n  host: 0.0.0.0\n", "pdserve.host is set by the chart"),
+        ("speculativeConfig: '{\"method\": \"ngram\"'\n",
+         "speculativeConfig must be a JSON object"),
+        ("speculativeConfig: '{}'\npdserve:\n  speculative_config: '{}'\n",
+         "pdserve.speculative_config and speculativeConfig are both set"),
     ],
-    ids=["decode-over-max", "chart-owned-key", "chart-owned-host"],
+    ids=["decode-over-max", "chart-owned-key", "chart-owned-host", "speculative-not-json",
+         "speculative-twice"],
 )
 def test_bad_values_fail_template(helm: Path, tmp_path: Path, values: str, message: str) -> None:
     # The templates' `fail`: `helm template` / install fail; `helm lint` only reports it as

@@ -59,7 +59,7 @@ class FakeRunner:
             )
             if entry.sampling_params is not None:
                 context = self.cache[self.slots(entry.block_ids, range(end))].tolist()
-                sampled[entry.request_id] = next_token(context)
+                sampled[entry.request_id] = (next_token(context),)
         return RunnerOutput(sampled, {})
 
 

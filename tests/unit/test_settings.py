@@ -17,6 +17,9 @@ FIELD_NAMES = [f.name for f in FIELDS]
 NON_BOOL = [f.name for f in FIELDS if not isinstance(f.default, bool)]
 # fields with a fixed set of values: too few for the three-layer precedence test
 CHOICES = {"mode": ("disaggregated", "colocated")}
+# text fields whose values have a form: valid samples
+SAMPLES = {"speculative_config": [f'{{"method": "ngram", "num_speculative_tokens": {n}}}'
+                                  for n in (1, 2, 3)]}
 OPTIONAL = [f.name for f in FIELDS if f.default is None]
 
 
@@ -38,6 +41,8 @@ def _values(name: str, n: int = 3) -> list[Any]:
     default, kind = _field(name).default, _kind(name)
     if name in CHOICES:
         return [c for c in CHOICES[name] if c != default]
+    if name in SAMPLES:
+        return SAMPLES[name][:n]
     if kind is bool:
         return [not default]
     if kind is int:

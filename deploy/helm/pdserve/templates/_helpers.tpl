@@ -129,6 +129,15 @@ pdserve.io/router: "true"
 {{- $_ := set $s "port" (.Values.router.grpcPort | int) -}}
 {{- $_ := set $s "metrics_port" (.Values.router.metricsPort | int) -}}
 {{- $_ := set $s "http_port" (.Values.router.httpPort | int) -}}
+{{- with .Values.speculativeConfig -}}
+{{- if hasKey $s "speculative_config" -}}
+{{- fail "pdserve.speculative_config and speculativeConfig are both set: give it once, as speculativeConfig" -}}
+{{- end -}}
+{{- if hasKey (fromJson .) "Error" -}}
+{{- fail (printf "speculativeConfig must be a JSON object, e.g. {\"method\": \"ngram\", \"num_speculative_tokens\": 4}; got %s" .) -}}
+{{- end -}}
+{{- $_ := set $s "speculative_config" . -}}
+{{- end -}}
 {{- /* Paths only: the files come from Secrets mounted by the router Deployment. */ -}}
 {{- if include "pdserve.apiTokenSecret" . -}}
 {{- $_ := set $s "api_token_file" (printf "%s/api-tokens" (include "pdserve.secretsDir" .)) -}}
