@@ -170,3 +170,20 @@ def test_smollm2_greedy_is_the_same_with_ngram_speculation(smollm2_dir):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     stats = spec.engine.core.scheduler.stats
     assert stats.num_accepted_tokens > 0
+
+
+def test_prefix_cache_holds_only_accepted_tokens(tiny_llama_dir, tiny_draft_dir):
+    """After runs where most drafts are rejected, a prompt continuing an earlier request hits
+    the blocks it cached, and generates what the plain engine does from scratch."""
+    plain = make(tiny_llama_dir)
+    spec = make(tiny_llama_dir, spec_configs(tiny_llama_dir, tiny_draft_dir)["draft-random"])
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    prompts = repetitive_prompts(6, 3)
+    firsts = spec.generate(prompts, params)
+    stats = spec.engine.core.scheduler.stats
+    assert stats.num_accepted_tokens < stats.num_draft_tokens  # rejections happened
+    follow_ups = [p + list(o.token_ids) for p, o in zip(prompts, firsts)]
+    got = spec.generate(follow_ups, params)
+    assert all(o.num_cached_tokens >= len(p) - 16 for o, p in zip(got, follow_ups))
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(follow_ups,
+                                                                              params)]
