@@ -184,8 +184,9 @@ class Router:
         while True:
             try:
                 async for message in stream.run(flight):
+                    if message.finish_reason:  # before the client can send its next turn
+                        await self._remember(req, stream)
                     yield message
-                self._after(req, stream)
                 return
             except (WorkerLost, WorkerFailed) as exc:
                 if stream.num_migrations >= self.config.migration_limit or len(
@@ -249,13 +250,14 @@ class Router:
             await flight.decode.abort(flight.worker_request_id)  # the stream ends with "abort"
         return True
 
-    def _after(self, req: ValidRequest, stream: ResponseStream) -> None:
+    async def _remember(self, req: ValidRequest, stream: ResponseStream) -> None:
         """The session's history: the client's prompt and every token streamed, on the decode
-        worker that holds them (after a migration, the last one)."""
+        worker that holds them (after a migration, the last one). Stored before the final
+        message goes out, so a next turn sent on receiving it finds the session."""
         if req.session_id and self.store is not None:
             history = list(req.prompt_token_ids) + stream.token_ids
-            self._spawn(self.store.put_session(req.session_id, history,
-                                               stream.placement.decode.worker_id))
+            await self.store.put_session(req.session_id, history,
+                                         stream.placement.decode.worker_id)
 
     async def _release(self, flight: Flight) -> None:
         """A request that ended early: free what any worker still holds for it."""

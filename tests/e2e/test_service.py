@@ -103,6 +103,27 @@ def test_second_turn_of_a_session_reuses_the_first(service):
     r.close()
 
 
+def test_session_is_stored_before_the_last_message(service, monkeypatch):
+    """A client that sends its next turn the moment a reply ends finds the session: the
+    router stores it before the final message goes out, however slow Redis is."""
+    store = service.router.store
+    put_session = store.put_session
+
+    async def slow_put_session(*args):
+        await asyncio.sleep(0.5)
+        await put_session(*args)
+
+    monkeypatch.setattr(store, "put_session", slow_put_session)
+    with Client(service.address, timeout=120) as client:
+        client.complete([5, 6, 7, 8], session_id="s-stored-first", sampling=GREEDY)
+    r = redis.Redis.from_url(service.service.redis.url)
+    key = redis_keys.session_key(service.service.settings.redis_namespace,
+                                 redis_keys.scoped_session_id(redis_keys.PUBLIC_TENANT,
+                                                              "s-stored-first"))
+    assert r.hget(key, b"decode_worker") == b"decode-0"
+    r.close()
+
+
 BAD_SAMPLING = [
     ("temperature", {"temperature": -0.5}),
     ("top_p", {"top_p": 0.0}),
