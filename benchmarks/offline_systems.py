@@ -30,6 +30,7 @@ def run_pdserve(reqs: list[BenchRequest], warm: list[BenchRequest], opts: dict) 
         max_num_seqs=opts["max_num_seqs"],
         max_num_batched_tokens=opts["max_batched_tokens"],
         num_threads=opts["threads"],
+        quantization=opts.get("quantization"),
     )
 
     def run(batch: list[BenchRequest]) -> tuple[list[list[int]], int, float]:

@@ -212,6 +212,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="pdserve's and CB's KV")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--quantizations", default="",
+                   help="also run pdserve with these weight quantizations, e.g. int8,int4,gguf")
     p.add_argument("--json", type=Path, default=None, help="write results here")
     return p.parse_args(argv)
 
@@ -230,6 +232,10 @@ def main(argv: list[str] | None = None) -> dict:
     for system in names:
         print(f"running {system} ...", flush=True)
         results.append(_spawn(run_phase, system, reqs, warm, opts))
+    for quantization in filter(None, args.quantizations.split(",")):
+        print(f"running {PDSERVE} with quantization={quantization} ...", flush=True)
+        result = _spawn(run_phase, PDSERVE, reqs, warm, {**opts, "quantization": quantization})
+        results.append({**result, "system": f"{PDSERVE} {quantization}"})
     if not args.skip_vllm and args.vllm_python.exists():
         print(f"running {VLLM} ({args.vllm_python}) ...", flush=True)
         results.append(vllm_child.run(args.vllm_python, reqs, warm, opts))

@@ -12,6 +12,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from pdserve.engine.quantization import (
+    Quantization,
+    checkpoint_method,
+    has_gguf,
+    resolve_quantization,
+)
 from pdserve.engine.spec.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -43,6 +49,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
+    quantization: Quantization | None = None  # weight-only (engine/quantization.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -74,7 +81,8 @@ class ModelConfig:
 
 
 def load_model_config(
-    path: str | Path, dtype: str = "auto", max_model_len: int | None = None
+    path: str | Path, dtype: str = "auto", max_model_len: int | None = None,
+    quantization: str | None = None, quantization_group_size: int = 0,
 ) -> ModelConfig:
     """Read config.json through transformers' AutoConfig; refuse what the network can't run.
 
@@ -111,6 +119,8 @@ def load_model_config(
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         attention_bias=arch == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
         eos_token_ids=eos_ids,
+        quantization=resolve_quantization(quantization, checkpoint_method(hf), has_gguf(path),
+                                          quantization_group_size),
     )
 
 

@@ -4,6 +4,9 @@
 The first use dequantizes it into an HF-format directory (config.json, model.safetensors,
 tokenizer files with the chat template) under the cache dir; every later use loads that.
 
+The directory also links the package's GGUF as `model.gguf`, so `quantization="gguf"` serves
+its blocks as they are (`engine.gguf_weights`).
+
 The weights stay fp32 as dequantized (exact: `dtype="float32"` serves the GGUF's values), and
 config.json names the upstream checkpoint's dtype, bfloat16, so `dtype="auto"` serves the model
 in the dtype its authors published, as vLLM would.
@@ -56,6 +59,8 @@ def ensure_default_model() -> Path:
     target = cache_dir() / "SmolLM2-135M-Instruct"
     if (target / "config.json").is_file():
         _name_upstream_dtype(target / "config.json")  # directories converted before it was
+        if importlib.util.find_spec(_GGUF_PACKAGE) is not None:
+            _link_gguf(target, _gguf_package_dir())  # likewise
         return target
     gguf_dir = _gguf_package_dir()
     logger.info("converting %s to %s (once)", _GGUF_FILE, target)
@@ -63,6 +68,7 @@ def ensure_default_model() -> Path:
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         _convert_gguf(gguf_dir, _GGUF_FILE, staging)
+        _link_gguf(staging, gguf_dir)
         try:
             staging.rename(target)  # atomic: concurrent converters race harmlessly
         except OSError:
@@ -111,3 +117,14 @@ def _name_upstream_dtype(config_path: Path) -> None:
     tmp = config_path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(config, indent=2))
     os.replace(tmp, config_path)  # atomic: a concurrent reader sees one version or the other
+
+
+def _link_gguf(model_dir: Path, gguf_dir: str) -> None:
+    """Make `model_dir`/model.gguf a symlink to the package's GGUF (kept current if it moved)."""
+    link, source = model_dir / "model.gguf", Path(gguf_dir) / _GGUF_FILE
+    if link.is_symlink() and Path(os.readlink(link)) == source:
+        return
+    tmp = link.with_name(f".model.gguf.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(source)
+    os.replace(tmp, link)  # atomic: a concurrent reader sees the old link or the new one

@@ -38,9 +38,10 @@ class KVCacheManager:
         prompt only).
 
         At least the last token is always recomputed, so the sampler has its logits; for
-        remote KV that is also what keeps a transfer from being empty.
+        remote KV that is also what keeps a transfer from being empty. A request that still
+        needs prompt logprobs takes no hit: each prompt position's logits must be computed.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.needs_prompt_logprobs:
             return []
         tokens = request.all_token_ids
         if num_tokens is not None:

@@ -16,6 +16,7 @@ from pdserve.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.input_processor import Prompt, check_prompt_length, tokenize_prompt
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.prompt_logprobs import output_prompt_logprobs
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_output import EngineCoreOutput
@@ -126,11 +127,19 @@ class LLMEngine:
         if out.logprobs is not None:
             out.logprobs.extend(core_out.new_logprobs[: update.num_tokens])
         out.num_cached_tokens = core_out.num_cached_tokens
+        if core_out.prompt_logprobs is not None:
+            out.prompt_logprobs = output_prompt_logprobs(
+                out.prompt_token_ids, core_out.prompt_logprobs, self._decode_alone)
         if finish_reason is not None:
             out.finished, out.finish_reason, out.stop_reason = True, finish_reason, stop_reason
             del self._outputs[rid]
             self._detokenizers.pop(rid, None)
         return _snapshot(out)
+
+    def _decode_alone(self, token_id: int) -> str | None:
+        """A token's text as logprobs show it (vLLM's: decoded alone); None without a
+        tokenizer."""
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
 
 class _NoText:

@@ -20,7 +20,8 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.loader import load_weights
 from pdserve.engine.models import MODEL_CLASSES
-from pdserve.engine.models.parallel import TensorParallel, pack_weights
+from pdserve.engine.models.parallel import TensorParallel, prepare_weights, weight_bytes
+from pdserve.engine.prompt_logprobs import compute_prompt_logprobs
 from pdserve.engine.sampler import (
     MIN_TEMPERATURE,
     Sampler,
@@ -57,9 +58,10 @@ class ModelRunner:
         cfg = config.model
         model_class = MODEL_CLASSES[cfg.architecture]
         self.model = model_class(cfg, self.tp, self.ops, self.dtype, self.device)
-        load_weights(self.model, cfg.path)
-        if self.ops.name == "cpu":
-            pack_weights(self.model)  # bf16 linears into oneDNN's layout, once
+        load_weights(self.model, cfg.path, cfg.quantization)
+        # on the CPU backend: quantized linears packed for torch's ops, bf16 ones for oneDNN
+        prepare_weights(self.model, pack=self.ops.name == "cpu")
+        self.weight_bytes = weight_bytes(self.model)
         self.model.eval()
         self.kv_caches = self._allocate_kv_caches()
         self.sampler = Sampler(seed=config.seed)
@@ -68,8 +70,9 @@ class ModelRunner:
         if connector is not None:
             connector.register_kv_caches(self.kv_caches)
         logger.info(
-            "model %s (%s) on %s, kernels=%s, threads=%d",
-            cfg.architecture, cfg.dtype, self.device, self.ops.name, torch.get_num_threads(),
+            "model %s (%s, quantization %s, weights %.1f MB) on %s, kernels=%s, threads=%d",
+            cfg.architecture, cfg.dtype, cfg.quantization.method if cfg.quantization else None,
+            self.weight_bytes / 1e6, self.device, self.ops.name, torch.get_num_threads(),
         )
 
     def _allocate_kv_caches(self) -> list[tuple[torch.Tensor, ...]]:
@@ -108,6 +111,13 @@ class ModelRunner:
         """`layer_hook(i)` is called as soon as layer i's K/V are stored."""
         input_ids, positions, meta, sample_rows = self._prepare(plan)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, layer_hook)  # [T, H]
+        prompt = compute_prompt_logprobs(self.model.compute_logits, hidden, plan.requests)
+        result = self._sample(plan, hidden, sample_rows)
+        return replace(result, prompt_logprobs=prompt) if prompt and self.tp.rank == 0 else result
+
+    def _sample(
+        self, plan: SchedulerOutput, hidden: torch.Tensor, sample_rows: torch.Tensor
+    ) -> RunnerOutput:
         sampling = [e for e in plan.requests if e.sampling_params is not None]
         if not sampling:
             return RunnerOutput({}, {})

@@ -23,7 +23,11 @@ import torch
 
 from pdserve.engine.models.parallel import TensorParallel
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from pdserve.engine.scheduler_output import (
+    PromptLogprobsTask,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +45,7 @@ def encode_plan(plan: SchedulerOutput) -> dict[str, Any]:
             "params": dataclasses.asdict(e.sampling_params) if e.sampling_params else None,
             "outputs": e.num_output_tokens,
             "spec": e.num_spec_tokens,
+            "prompt_logprobs": dataclasses.asdict(e.prompt_logprobs) if e.prompt_logprobs else None,
         }
         for e in plan.requests
     ]
@@ -57,10 +62,18 @@ def decode_plan(body: dict[str, Any]) -> SchedulerOutput:
             sampling_params=SamplingParams(**r["params"]) if r["params"] else None,
             num_output_tokens=int(r["outputs"]),
             num_spec_tokens=int(r["spec"]),
+            prompt_logprobs=_task(r.get("prompt_logprobs")),
         )
         for r in body["requests"]
     )
     return SchedulerOutput(requests, tuple(str(i) for i in body["finished"]))
+
+
+def _task(body: dict[str, Any] | None) -> PromptLogprobsTask | None:
+    if body is None:
+        return None
+    token_ids = tuple(int(t) for t in body["token_ids"])
+    return PromptLogprobsTask(int(body["first_position"]), token_ids, int(body["num_top"]))
 
 
 def publish(tp: TensorParallel, kind: str, body: dict[str, Any] | None = None) -> None:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler_output import PromptLogprobsTask, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -58,6 +59,9 @@ class Request:
     # Speculative decoding: tokens proposed to follow this one-token-behind request, verified
     # in its next step (set by the proposer, taken by the scheduler's next plan).
     spec_token_ids: list[int] = field(default_factory=list)
+    # Asked for (sampling_params.prompt_logprobs): those of prompt positions 1, 2, ... so far.
+    # Kept across preemption, so a recomputed prompt adds none twice.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -82,6 +86,42 @@ class Request:
     def num_sampled_tokens(self) -> int:
         """Tokens sampled for this request so far, here and on the worker it came from."""
         return self.num_prior_output_tokens + len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed: no prefix-cache hit may skip any."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
+
+    def prompt_logprobs_task(self, start: int, num_tokens: int) -> PromptLogprobsTask | None:
+        """The prompt logprobs a step computing tokens [start, start + num_tokens) owes: the
+        prompt positions in (start, start + num_tokens] not yet held (position p's come from
+        the logits at p - 1, so a chunk's last row serves the next chunk's first token)."""
+        if not self.needs_prompt_logprobs:
+            return None
+        first = max(start, len(self.prompt_logprobs)) + 1
+        end = min(start + num_tokens, self.num_prompt_tokens - 1) + 1
+        if first >= end:
+            return None
+        return PromptLogprobsTask(first, self.prompt_token_ids[first:end],
+                                  self.sampling_params.prompt_logprobs)
+
+    def add_prompt_logprobs(
+        self, task: PromptLogprobsTask | None, entries: tuple[TokenLogprobs, ...] | None
+    ) -> None:
+        """Keep what a step computed for `task` (None: it had none, or computed none)."""
+        if task is None or entries is None:
+            return
+        assert task.first_position == len(self.prompt_logprobs) + 1, task
+        assert len(entries) == len(task.token_ids), (task, len(entries))
+        self.prompt_logprobs.extend(entries)
+
+    def first_output_prompt_logprobs(self, num_new: int) -> tuple[TokenLogprobs, ...] | None:
+        """The prompt logprobs, when asked, for the output whose `num_new` tokens (appended)
+        are the request's first."""
+        if self.sampling_params.prompt_logprobs is None or self.needs_prompt_logprobs:
+            return None
+        return tuple(self.prompt_logprobs) if len(self.output_token_ids) == num_new else None
 
     def append_output(
         self, token_ids: tuple[int, ...], max_model_len: int

@@ -12,6 +12,8 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k -1 (or 0) disables top-k; top_p 1 and min_p 0 disable
     theirs. `logprobs` None returns none, 0 the chosen token's, n also the top-n.
+    `prompt_logprobs` likewise for every prompt token (vLLM's: from the raw logits one
+    position before it); such a request computes its whole prompt, taking no prefix-cache hit.
     """
 
     max_tokens: int = 16
@@ -25,6 +27,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
 
     MAX_LOGPROBS = 20
 
@@ -52,6 +55,8 @@ class SamplingParams:
             _check_int("stop_token_ids", token_id, low=0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=self.MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=self.MAX_LOGPROBS)
 
     @property
     def greedy(self) -> bool:

@@ -175,25 +175,26 @@ class Scheduler:
         outputs, self._outputs = self._outputs, []
         self.stats.num_steps += bool(plan.requests)
         for entry in plan.requests:
-            request = self.requests.get(entry.request_id)
+            request = self.requests.get(rid := entry.request_id)
             if request is None:  # finished from outside while the step ran
                 continue
-            token_ids = result.sampled_token_ids.get(entry.request_id, ())
+            token_ids = result.sampled_token_ids.get(rid, ())
             num_accepted = len(token_ids) - 1 if entry.num_spec_tokens else 0
             request.num_computed_tokens += entry.num_tokens - entry.num_spec_tokens
             self.stats.num_computed_tokens += entry.num_tokens
+            request.add_prompt_logprobs(entry.prompt_logprobs, result.prompt_logprobs.get(rid))
             if entry.num_spec_tokens:
                 self.stats.num_spec_verifications += 1
                 self.stats.num_draft_tokens += entry.num_spec_tokens
                 self.stats.num_accepted_tokens += num_accepted
             self.kv_cache.cache_computed_blocks(request)
-            save = result.kv_saves.get(entry.request_id)
+            save = result.kv_saves.get(rid)
             if save is not None and save.error is not None:  # its KV never reached decode
                 self.running.remove(request)
                 outputs.append(self._end(request, RequestStatus.FINISHED_ERROR, save.error))
                 continue
             if token_ids:
-                logprobs = result.logprobs.get(entry.request_id, ())
+                logprobs = result.logprobs.get(rid, ())
                 outputs.append(self._append_tokens(request, token_ids, logprobs, save))
             if num_accepted and not request.status.finished:
                 # The accepted drafts' KV is kept; rejected drafts' slots are rolled back
@@ -234,12 +235,11 @@ class Scheduler:
         num, status = request.append_output(token_ids, self.max_model_len)
         out = EngineCoreOutput(
             request_id=request.request_id,
-            new_token_ids=token_ids[:num],
-            new_logprobs=logprobs[:num],
+            new_token_ids=token_ids[:num], new_logprobs=logprobs[:num],
             finish_reason=status.finish_reason if status else None,
             stop_reason=request.stop_reason if status else None,
-            num_cached_tokens=request.num_cached_tokens,
-            kv_save=kv_save,
+            num_cached_tokens=request.num_cached_tokens, kv_save=kv_save,
+            prompt_logprobs=request.first_output_prompt_logprobs(num),
         )
         if status is not None:
             self.running.remove(request)
@@ -273,6 +273,7 @@ class Scheduler:
                     num_output_tokens=request.num_sampled_tokens,
                     kv_transfer=request.kv_transfer if completes_prompt else None,
                     num_spec_tokens=num_spec,
+                    prompt_logprobs=request.prompt_logprobs_task(start, num_new - num_spec),
                 )
             )
         entries.sort(key=lambda e: e.num_tokens != 1)  # decode-shaped first, order kept

@@ -12,6 +12,16 @@ from pdserve.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
+class PromptLogprobsTask:
+    """Prompt logprobs a step owes one request: those of the prompt tokens at positions
+    first_position, first_position + 1, ..., each from the logits one position before it."""
+
+    first_position: int  # >= 1; its logits row is first_position - 1
+    token_ids: tuple[int, ...]  # the prompt tokens at those positions
+    num_top: int  # the top-n alternatives to return with each (0: none)
+
+
+@dataclass(frozen=True)
 class ScheduledRequest:
     request_id: str
     token_ids: tuple[int, ...]  # tokens computed this step
@@ -26,6 +36,7 @@ class ScheduledRequest:
     # token (its prompt KV is complete after this step): a prefill worker pushes it there.
     # Not part of the TP broadcast: followers never push.
     kv_transfer: object | None = field(default=None, compare=False)
+    prompt_logprobs: PromptLogprobsTask | None = None  # positions this chunk computes
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +64,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # tokens at least as likely, itself included (prompt logprobs)
 
 
 @dataclass(frozen=True)
@@ -71,6 +83,8 @@ class RunnerOutput:
     sampled_token_ids: dict[str, tuple[int, ...]]
     logprobs: dict[str, tuple[TokenLogprobs, ...]]  # one per sampled token, when asked
     kv_saves: dict[str, KVSaveResult] = field(default_factory=dict)  # by the KV connector
+    # Per request with a PromptLogprobsTask: one per position of the task, in order.
+    prompt_logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -85,3 +99,5 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     error: str | None = None  # why, when finish_reason is "error" (a KV transfer failed)
     kv_save: KVSaveResult | None = None  # its prompt KV was pushed this step
+    # Asked for: positions 1 .. prompt end, on the output of the request's first token.
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None

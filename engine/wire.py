@@ -76,6 +76,9 @@ def sampling_from_proto(msg: pdserve_pb2.SamplingParams, default_max_tokens: int
 
 
 def sampling_to_proto(params: SamplingParams) -> pdserve_pb2.SamplingParams:
+    if params.prompt_logprobs is not None:  # the proto has no field for it: never drop it
+        raise ValueError("prompt_logprobs: not supported over gRPC (the served API returns no "
+                         "prompt logprobs); use the offline LLM for them")
     msg = pdserve_pb2.SamplingParams(
         max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
         top_k=params.top_k, min_p=params.min_p, stop=list(params.stop),

@@ -29,6 +29,8 @@ class WorkerSpec:
     kv_cache_memory_bytes: int = 1 << 30
     num_kv_blocks: int | None = None
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None  # engine/quantization.py
+    quantization_group_size: int = 0
     enable_prefix_caching: bool = True
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -88,7 +90,8 @@ class WorkerSpec:
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
-            model=load_model_config(self.model, self.dtype, self.max_model_len),
+            model=load_model_config(self.model, self.dtype, self.max_model_len,
+                                    self.quantization, self.quantization_group_size),
             cache=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,

@@ -32,6 +32,8 @@ class WorkerStats:
     num_spec_verifications: int  # one sequence's drafts checked in one step
     num_draft_tokens: int  # drafts verified
     num_accepted_tokens: int  # drafts accepted
+    quantization: str = ""  # the weights' ("" = dense)
+    weight_bytes: int = 0  # this rank's weights as held
 
     @property
     def num_used_blocks(self) -> int:
@@ -54,4 +56,6 @@ class WorkerStats:
             num_spec_verifications=scheduler.stats.num_spec_verifications,
             num_draft_tokens=scheduler.stats.num_draft_tokens,
             num_accepted_tokens=scheduler.stats.num_accepted_tokens,
+            quantization=config.model.quantization.method if config.model.quantization else "",
+            weight_bytes=core.runner.weight_bytes,
         )

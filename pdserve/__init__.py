@@ -12,6 +12,7 @@ from typing import Any
 _EXPORTS = {
     "LLM": "pdserve.llm",
     "RequestOutput": "pdserve.engine.outputs",
+    "Logprob": "pdserve.engine.outputs",
     "SamplingParams": "pdserve.engine.sampling_params",
     "Client": "pdserve.client",
     "AsyncClient": "pdserve.client",

@@ -28,6 +28,9 @@ class LLM:
     `speculative_config` turns on speculative decoding, as vLLM's does: a dict such as
     `{"method": "ngram", "num_speculative_tokens": 4}`, its JSON text, or a
     SpeculativeConfig (engine/spec/config.py); a bad field is a ValueError naming it.
+    `quantization` serves weight-only quantized linears (engine/quantization.py): "int8" or
+    "int4" quantized at load (`quantization_group_size` for int4, default 32), "gguf" from the
+    model directory's GGUF file, "gptq"/"awq" (found from the checkpoint's config.json).
     """
 
     def __init__(
@@ -49,11 +52,14 @@ class LLM:
         tokenizer: str | None = None,
         skip_tokenizer_init: bool = False,
         speculative_config: SpeculativeConfig | dict | str | None = None,
+        quantization: str | None = None,
+        quantization_group_size: int = 0,
     ) -> None:
         speculative = parse_speculative_config(speculative_config)  # refused before any load
         path = resolve_model(model)
         config = EngineConfig(
-            model=load_model_config(path, dtype, max_model_len),
+            model=load_model_config(path, dtype, max_model_len, quantization,
+                                    quantization_group_size),
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
@@ -75,6 +81,11 @@ class LLM:
     @property
     def config(self) -> EngineConfig:
         return self.engine.config
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of this engine's weights as served (quantized linears at their packed size)."""
+        return self.engine.core.runner.weight_bytes
 
     def generate(
         self,

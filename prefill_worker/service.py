@@ -98,7 +98,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             num_free_blocks=s.num_free_blocks, num_used_blocks=s.num_used_blocks,
             num_running=s.num_running, num_waiting=s.num_waiting,
             num_cached_blocks=s.num_cached_blocks, max_num_seqs=s.max_num_seqs,
-            block_size=s.block_size, tp_size=s.tp_size,
+            block_size=s.block_size, tp_size=s.tp_size, quantization=s.quantization,
+            weight_bytes=s.weight_bytes,
         )
 
 

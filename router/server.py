@@ -115,7 +115,16 @@ class InferenceServicer:
             block_size=self.router.config.block_size, dtype=model.dtype,
             eos_token_ids=list(model.eos_token_ids),
             has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+            **self._weights(),
         )
+
+    def _weights(self) -> dict:
+        """The quantization and weight bytes a decode worker reports (every worker serves the
+        same weights); empty before any has reported its load."""
+        for c in self.router.workers():
+            if c.role == "decode" and c.load is not None and c.load.weight_bytes:
+                return {"quantization": c.load.quantization, "weight_bytes": c.load.weight_bytes}
+        return {}
 
     async def GetStats(self, request, context):
         router = self.router
@@ -128,6 +137,7 @@ class InferenceServicer:
                 worker_id=c.worker_id, role=c.role, up=c.up,
                 num_blocks=load.num_blocks, num_free_blocks=load.num_free_blocks,
                 num_used_blocks=load.num_used_blocks, num_running=load.num_running,
+                weight_bytes=load.weight_bytes,
                 num_waiting=load.num_waiting, num_cached_blocks=load.num_cached_blocks,
                 tp_size=load.tp_size or 1,
                 num_spec_verifications=load.num_spec_verifications,

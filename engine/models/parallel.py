@@ -13,7 +13,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import packed_linear
+from pdserve.kernels import packed_linear, quant_linear_cpu
+from pdserve.kernels.quant_linear import quant_linear, quant_linear_ref
+from pdserve.kernels.quant_weights import QuantizedWeight, cat_rows, dequantize
 
 
 @dataclass(frozen=True)
@@ -80,19 +82,28 @@ class ColumnParallelLinear(torch.nn.Module):
         kw = {"dtype": dtype, "device": device}
         self.weight = torch.nn.Parameter(torch.empty(offset, in_features, **kw), False)
         self.bias = torch.nn.Parameter(torch.empty(offset, **kw), False) if bias else None
+        self.dtype = dtype  # of activations: the quantized kernels' scales are cast to it
+        self.quantized: QuantizedWeight | quant_linear_cpu.PreparedWeight | None = None
+        self._parts: dict[str, QuantizedWeight] = {}  # quantized shards until all arrive
 
-    def load(self, name: str, tensor: torch.Tensor, shard: str) -> None:
+    def load(self, name: str, tensor: torch.Tensor | QuantizedWeight, shard: str) -> None:
         rows = self.shard_rows[shard]
+        if isinstance(tensor, QuantizedWeight):  # the weight, as a checkpoint quantized it
+            self._parts[shard] = tensor.narrow(0, self.tp.rank * rows, rows)
+            if len(self._parts) == len(self.shard_rows):
+                _set_quantized(self, cat_rows([self._parts.pop(n) for n in self.shard_rows]))
+            return
         local = tensor.narrow(0, self.tp.rank * rows, rows)
         target = self.weight if name == "weight" else self.bias
         target.data.narrow(0, self.offsets[shard], rows).copy_(local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return _quant_linear(x, self.quantized, self.bias)
         return packed_linear.linear(x, self.weight, self.bias)
 
-    def pack_weights(self) -> None:
-        """Weights into oneDNN's layout once (bf16 on CPU; see kernels.packed_linear)."""
-        self.weight = _packed(self.weight)
+    def prepare_weights(self, pack: bool) -> None:
+        _prepare(self, pack)
 
 
 class RowParallelLinear(torch.nn.Module):
@@ -107,15 +118,23 @@ class RowParallelLinear(torch.nn.Module):
         self.cols = tp.split(in_features, "in_features")
         kw = {"dtype": dtype, "device": device}
         self.weight = torch.nn.Parameter(torch.empty(out_features, self.cols, **kw), False)
+        self.bias, self.dtype = None, dtype
+        self.quantized: QuantizedWeight | quant_linear_cpu.PreparedWeight | None = None
 
-    def load(self, name: str, tensor: torch.Tensor, shard: str = "") -> None:
-        self.weight.data.copy_(tensor.narrow(1, self.tp.rank * self.cols, self.cols))
+    def load(self, name: str, tensor: torch.Tensor | QuantizedWeight, shard: str = "") -> None:
+        local = tensor.narrow(1, self.tp.rank * self.cols, self.cols)  # whole groups only
+        if isinstance(local, QuantizedWeight):
+            _set_quantized(self, local)
+        else:
+            self.weight.data.copy_(local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.tp.all_reduce(_quant_linear(x, self.quantized))
         return self.tp.all_reduce(packed_linear.linear(x, self.weight))
 
-    def pack_weights(self) -> None:
-        self.weight = _packed(self.weight)
+    def prepare_weights(self, pack: bool) -> None:
+        _prepare(self, pack)
 
 
 class VocabParallelEmbedding(torch.nn.Module):
@@ -134,7 +153,10 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.zeros(self.rows, hidden_size, **kw), False)
         self.packed_head: torch.Tensor | None = None
 
-    def load(self, name: str, tensor: torch.Tensor, shard: str = "") -> None:
+    def load(self, name: str, tensor: torch.Tensor | QuantizedWeight, shard: str = "") -> None:
+        if isinstance(tensor, QuantizedWeight):  # kept dense in the serving dtype
+            tensor = dequantize(tensor.narrow(0, self.start, min(self.rows, tensor.out_features
+                                                                 - self.start)))
         local = tensor[self.start : self.start + self.rows]
         self.weight.data[: local.shape[0]].copy_(local)
 
@@ -154,20 +176,55 @@ class VocabParallelEmbedding(torch.nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.packed_head if self.packed_head is not None else self.weight
 
-    def pack_weights(self) -> None:
-        """A packed copy for the LM head (the lookup keeps the plain rows)."""
-        if packed_linear.can_pack(self.weight):
+    def prepare_weights(self, pack: bool) -> None:
+        """A packed copy for the LM head (the lookup keeps the plain rows); never quantized."""
+        if pack and packed_linear.can_pack(self.weight):
             self.packed_head = packed_linear.pack(self.weight)
 
 
-def _packed(weight: torch.nn.Parameter) -> torch.nn.Parameter:
-    if not packed_linear.can_pack(weight):
-        return weight
-    return torch.nn.Parameter(packed_linear.pack(weight.data), False)
+Linear = ColumnParallelLinear | RowParallelLinear
 
 
-def pack_weights(model: torch.nn.Module) -> None:
-    """Every linear of `model` into its packed form, after the weights are loaded."""
+def _set_quantized(layer: Linear, weight: QuantizedWeight) -> None:
+    want = tuple(layer.weight.shape)
+    if weight.shape != want:
+        raise ValueError(f"model: a quantized weight of shape {list(weight.shape)} for a "
+                         f"linear of {list(want)}")
+    layer.quantized = weight.to(layer.weight.device).contiguous()
+    layer.weight = None  # the dense placeholder is never filled
+
+
+def _prepare(layer: Linear, pack: bool) -> None:
+    """After loading: the weight in the form its kernel reads (the CPU ops' packing of a
+    quantized weight, or oneDNN's for a dense bf16 one)."""
+    if isinstance(layer.quantized, QuantizedWeight):
+        if layer.quantized.qweight.device.type == "cpu":
+            layer.quantized = quant_linear_cpu.prepare(layer.quantized, layer.dtype)
+    elif layer.quantized is None and pack and packed_linear.can_pack(layer.weight):
+        layer.weight = torch.nn.Parameter(packed_linear.pack(layer.weight.data), False)
+
+
+def _quant_linear(x: torch.Tensor, weight: QuantizedWeight | quant_linear_cpu.PreparedWeight,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(weight, quant_linear_cpu.PreparedWeight):
+        return quant_linear_cpu.linear(x, weight, bias)
+    if x.device.type == "cpu":  # the torch backend: references only
+        return quant_linear_ref(x, weight, bias)
+    return quant_linear(x, weight, bias)  # Triton
+
+
+def prepare_weights(model: torch.nn.Module, pack: bool) -> None:
+    """Every linear of `model` in its serving form, after the weights are loaded (`pack`:
+    the CPU backend's layouts, see `_prepare`)."""
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
-            module.pack_weights()
+            module.prepare_weights(pack)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's weights as served (quantized linears at their packed size)."""
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    quantized = sum(m.quantized.nbytes for m in model.modules()
+                    if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+                    and m.quantized is not None)
+    return dense + quantized

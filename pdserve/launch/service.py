@@ -178,6 +178,7 @@ class Service:
                 max_model_len=s.max_model_len, block_size=s.block_size,
                 kv_cache_memory_bytes=s.kv_cache_memory_bytes, num_kv_blocks=s.num_kv_blocks,
                 kv_cache_dtype=s.kv_cache_dtype, enable_prefix_caching=s.enable_prefix_caching,
+                quantization=s.quantization, quantization_group_size=s.quantization_group_size,
                 max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                 device=s.device, kernel_backend=s.kernel_backend, seed=s.seed,
                 num_threads=self._threads(role), host=s.worker_host,

@@ -43,6 +43,11 @@ class ServeSettings:
     kv_cache_memory_bytes: int = _opt(1 << 30, "KV cache budget per worker, bytes")
     num_kv_blocks: int | None = _opt(None, "KV blocks per worker (overrides the budget)")
     kv_cache_dtype: str = _opt("auto", "auto | int8")
+    quantization: str | None = _opt(
+        None, "weight-only quantized linears: int8 | int4 (quantized at load) | gguf (the model "
+        "directory's GGUF as is) | gptq | awq (default: as the checkpoint is)")
+    quantization_group_size: int = _opt(0, "input columns per scale for int4/int8 (0: int4 "
+                                        "32, int8 one per output channel)")
     enable_prefix_caching: bool = _opt(True, "reuse KV of shared prompt prefixes")
     max_num_seqs: int = _opt(64, "sequences per engine step")
     max_num_batched_tokens: int = _opt(2048, "tokens per engine step (chunked prefill)")

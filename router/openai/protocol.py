@@ -29,7 +29,8 @@ INT32_MAX = 2**31 - 1
 # than silently ignored. Value: what "not set" looks like.
 UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
                "logit_bias": None, "echo": False, "suffix": None, "tools": None,
-               "functions": None, "best_of": None, "response_format": None}
+               "functions": None, "best_of": None, "response_format": None,
+               "prompt_logprobs": None}
 
 
 class BadParameter(InvalidArgument):

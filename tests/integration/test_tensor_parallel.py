@@ -34,9 +34,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_config(model_dir) -> EngineConfig:
+def make_config(model_dir, quantization=None) -> EngineConfig:
     return EngineConfig(
-        model=load_model_config(model_dir, max_model_len=512),
+        model=load_model_config(model_dir, max_model_len=512, quantization=quantization),
         cache=CacheConfig(block_size=16, num_blocks=128),
         num_threads=1,
     )
@@ -47,14 +47,14 @@ def run_requests(core: EngineCore, prompts) -> list[list[int]]:
     return run_engine(core, prompts, params)
 
 
-def tp_rank_main(rank, size, port, model_dir, prompts, results):
+def tp_rank_main(rank, size, port, model_dir, prompts, results, quantization=None):
     try:
         torch.set_num_threads(1)
         store = dist.TCPStore("127.0.0.1", port, None, rank == 0, wait_for_workers=False)
         timeout = datetime.timedelta(seconds=60)
         group = dist.ProcessGroupGloo(dist.PrefixStore("tp", store), rank, size, timeout)
         tp = TensorParallel(rank, size, group)
-        core = EngineCore(make_config(model_dir), tp)
+        core = EngineCore(make_config(model_dir, quantization), tp)
         if rank == 0:
             results.put(("ok", run_requests(core, prompts)))
             core.shutdown()
@@ -78,14 +78,16 @@ def test_plan_codec_round_trip():
 
 
 @pytest.mark.parametrize("tp_size", [2])
-def test_tp_group_matches_single_process(tiny_llama_dir, tp_size):
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])  # quantized whole, then cut
+def test_tp_group_matches_single_process(tiny_llama_dir, tp_size, quantization):
     prompts = [list(p) for p in mixed_prompts(49152, seed=3)[:6]]
-    expected = run_requests(EngineCore(make_config(tiny_llama_dir)), prompts)
+    expected = run_requests(EngineCore(make_config(tiny_llama_dir, quantization)), prompts)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=tp_rank_main, args=(r, tp_size, port, tiny_llama_dir, prompts, results))
+        ctx.Process(target=tp_rank_main,
+                    args=(r, tp_size, port, tiny_llama_dir, prompts, results, quantization))
         for r in range(tp_size)
     ]
     for p in procs:

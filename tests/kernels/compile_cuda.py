@@ -26,6 +26,7 @@ from pdserve.kernels.paged_decode_attention import (
     _paged_decode_merge_kernel,
 )
 from pdserve.kernels.paged_prefill_attention import _paged_prefill_attention_kernel
+from pdserve.kernels.quant_linear import _quant_linear_kernel
 from pdserve.kernels.rms_norm import _rms_norm_kernel
 from pdserve.kernels.rotary_embedding import _rotary_embedding_kernel
 from pdserve.kernels.store_kv import _store_kv_kernel
@@ -100,6 +101,16 @@ def variants():
                 "block_ids_ptr": "i64"},
                dict(BLOCK_SIZE=16, NUM_HEADS=4, HEAD_DIM=128, TOKENS=16, COLS_PAD=512,
                     UNPACK=unpack))
+    for x, bits, group, block_m, block_n, block_k in (
+            ("bf16", 4, 32, 16, 32, 32), ("fp16", 4, 128, 64, 64, 64),
+            ("bf16", 8, 4096, 16, 32, 64), ("fp32", 8, 32, 64, 64, 32)):
+        dot = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[x]
+        yield (f"quant_linear int{bits} {x} group={group}", _quant_linear_kernel,
+               {"out_ptr": x, "x_ptr": x, "qweight_ptr": "u8" if bits == 4 else "i8",
+                "scales_ptr": "fp32", "offsets_ptr": "fp32", "bias_ptr": x},
+               dict(GROUP_SIZE=group, INT4=bits == 4, HAS_BIAS=bits == 4, BLOCK_M=block_m,
+                    BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot,
+                    PRECISION="ieee" if x == "fp32" else "tf32"))
 
 
 def main() -> int:

@@ -83,6 +83,7 @@ def test_chat_content_parts_and_logprobs() -> None:
     ({"prompt": "x", "timeout": 0}, "timeout"),
     ({"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
     ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),  # vLLM's extra: not served
     ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": [-5]}, "prompt"),

@@ -44,6 +44,10 @@ def test_defaults_are_valid() -> None:
         ("logprobs", SamplingParams.MAX_LOGPROBS + 1),
         ("logprobs", 2.0),
         ("logprobs", True),
+        ("prompt_logprobs", -1),
+        ("prompt_logprobs", SamplingParams.MAX_LOGPROBS + 1),
+        ("prompt_logprobs", 1.0),
+        ("prompt_logprobs", False),
         ("stop_token_ids", (5, -1)),
         ("stop_token_ids", ("7",)),
     ],
@@ -75,6 +79,8 @@ def test_bad_stop_raises(stop: tuple) -> None:
         {"seed": 0},
         {"logprobs": 0},
         {"logprobs": SamplingParams.MAX_LOGPROBS},
+        {"prompt_logprobs": 0},
+        {"prompt_logprobs": SamplingParams.MAX_LOGPROBS},
     ],
 )
 def test_values_at_the_bounds_are_valid(kwargs: dict) -> None:

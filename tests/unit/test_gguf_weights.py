@@ -1,0 +1,188 @@
+"""GGUF blocks read as QuantizedWeight: bit-exact against gguf's own dequantization."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from pdserve.engine.gguf_weights import gguf_file, hf_name, iter_gguf
+from pdserve.kernels.quant_weights import QuantizedWeight, dequantize
+
+Q = gguf.GGMLQuantizationType
+HEADS, KV_HEADS, HIDDEN, FFN = 4, 2, 64, 96
+
+
+def _random(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Normal values with a different magnitude per row, none of them zero."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    x = np.where(x == 0, np.float32(0.5), x)
+    return x * rng.uniform(0.01, 3.0, size=(shape[0],) + (1,) * (len(shape) - 1)).astype(
+        np.float32)
+
+
+def _write(path: Path, tensors: dict[str, tuple[np.ndarray, Q]], arch: str = "llama") -> Path:
+    """A GGUF file holding each fp32 array encoded as its type (raw uint8 arrays as they are)."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    for name, (x, qtype) in tensors.items():
+        if x.dtype == np.uint8:  # already encoded bytes
+            writer.add_tensor(name, x, raw_dtype=qtype)
+        elif qtype == Q.F32:
+            writer.add_tensor(name, x)
+        elif qtype == Q.F16:
+            writer.add_tensor(name, x.astype(np.float16))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _reference(path: Path) -> dict[str, np.ndarray]:
+    """gguf's dequantization of every tensor, q/k rows un-permuted as transformers does."""
+    out = {}
+    for tensor in gguf.GGUFReader(path).tensors:
+        w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if ".attn_q." in tensor.name or ".attn_k." in tensor.name:
+            n_head = HEADS if ".attn_q." in tensor.name else KV_HEADS
+            w = w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+            w = w.swapaxes(2, 1).reshape(-1, *w.shape[3:])
+        out[hf_name(tensor.name)[0]] = np.array(w)
+    return out
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: HF rows -> llama.cpp's RoPE order."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_quantized_blocks_dequantize_bit_for_bit(tmp_path, qtype):
+    rng = np.random.default_rng(int(qtype))
+    shapes = {"token_embd.weight": (48, HIDDEN), "blk.0.attn_q.weight": (HIDDEN, HIDDEN),
+              "blk.0.attn_k.weight": (32, HIDDEN), "blk.1.ffn_down.weight": (HIDDEN, FFN),
+              "output.weight": (48, HIDDEN)}
+    path = _write(tmp_path / "m.gguf", {n: (_random(rng, s), qtype) for n, s in shapes.items()})
+    reference = _reference(path)
+    loaded = dict(iter_gguf(path))
+    assert sorted(loaded) == sorted(reference)
+    bits = 8 if qtype == Q.Q8_0 else 4
+    for name, w in loaded.items():
+        assert isinstance(w, QuantizedWeight) and (w.bits, w.group_size) == (bits, 32), name
+        assert torch.equal(dequantize(w), torch.from_numpy(reference[name])), name
+
+
+def test_nibbles_reordered_into_our_layout(tmp_path):
+    """GGUF block byte i holds weights i (low) and i + 16 (high); ours 2j (low), 2j + 1 (high)."""
+    q = np.arange(32, dtype=np.uint8) % 16  # weight k of the block has the value k mod 16
+    raw = np.concatenate([np.frombuffer(np.float16(1).tobytes(), np.uint8),
+                          (q[:16] | (q[16:] << 4)).astype(np.uint8)])[None, :]
+    path = _write(tmp_path / "m.gguf", {"blk.0.ffn_up.weight": (raw, Q.Q4_0)})
+    (_, w), = iter_gguf(path)
+    assert w.qweight[0].tolist() == [(2 * j % 16) | ((2 * j + 1) % 16) << 4 for j in range(16)]
+    assert dequantize(w)[0].tolist() == [float(k % 16 - 8) for k in range(32)]
+
+
+def test_dense_types_keep_their_dtype_and_values(tmp_path):
+    rng = np.random.default_rng(3)
+    x32, x16, xbf = _random(rng, (HIDDEN,)), _random(rng, (32, HIDDEN)), _random(rng, (FFN,))
+    path = _write(tmp_path / "m.gguf", {"output_norm.weight": (x32, Q.F32),
+                                        "blk.0.attn_v.weight": (x16, Q.F16),
+                                        "blk.0.ffn_norm.weight": (xbf, Q.BF16)})
+    loaded = dict(iter_gguf(path))
+    assert torch.equal(loaded["model.norm.weight"], torch.from_numpy(x32))
+    assert torch.equal(loaded["model.layers.0.self_attn.v_proj.weight"],
+                       torch.from_numpy(x16.astype(np.float16)))
+    bf = loaded["model.layers.0.post_attention_layernorm.weight"]
+    assert bf.dtype == torch.bfloat16
+    ref = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(xbf, Q.BF16), Q.BF16))
+    assert torch.equal(bf.float(), ref)
+
+
+def test_q_and_k_rows_return_to_hugging_face_order(tmp_path):
+    rng = np.random.default_rng(4)
+    q, k = _random(rng, (HIDDEN, HIDDEN)), _random(rng, (32, HIDDEN))
+    bias = _random(rng, (HIDDEN,))
+    path = _write(tmp_path / "m.gguf", {
+        "blk.2.attn_q.weight": (_llama_cpp_permute(q, HEADS), Q.F32),
+        "blk.2.attn_k.weight": (_llama_cpp_permute(k, KV_HEADS), Q.F32),
+        "blk.2.attn_q.bias": (_llama_cpp_permute(bias, HEADS), Q.F32)})
+    loaded = dict(iter_gguf(path))
+    assert torch.equal(loaded["model.layers.2.self_attn.q_proj.weight"], torch.from_numpy(q))
+    assert torch.equal(loaded["model.layers.2.self_attn.k_proj.weight"], torch.from_numpy(k))
+    assert torch.equal(loaded["model.layers.2.self_attn.q_proj.bias"], torch.from_numpy(bias))
+
+
+def test_a_refused_type_names_the_tensor_and_its_type(tmp_path):
+    block, size = gguf.GGML_QUANT_SIZES[Q.Q6_K]
+    raw = np.random.default_rng(5).integers(0, 256, (8, size), dtype=np.uint8)
+    path = _write(tmp_path / "m.gguf", {"blk.0.ffn_down.weight": (raw, Q.Q6_K)})
+    assert block == 256
+    with pytest.raises(ValueError, match=r"GGUF tensor blk\.0\.ffn_down\.weight is Q6_K; "
+                                         r"pdserve loads F32, F16, BF16, Q8_0, Q4_0 and Q4_1"):
+        list(iter_gguf(path))
+
+
+def test_other_architectures_and_unknown_tensors_are_refused(tmp_path):
+    x = (np.ones(32, dtype=np.float32), Q.F32)
+    with pytest.raises(ValueError, match="general.architecture is 'qwen2'"):
+        list(iter_gguf(_write(tmp_path / "q.gguf", {"output_norm.weight": x}, arch="qwen2")))
+    with pytest.raises(ValueError, match="GGUF tensor blk.0.ssm_a has no Hugging Face"):
+        list(iter_gguf(_write(tmp_path / "u.gguf", {"blk.0.ssm_a": x})))
+    skipped = _write(tmp_path / "r.gguf", {"rope_freqs.weight": x, "output_norm.weight": x})
+    assert [name for name, _ in iter_gguf(skipped)] == ["model.norm.weight"]
+
+
+def test_gguf_file_is_the_single_gguf_of_a_directory(tmp_path):
+    assert gguf_file(tmp_path) is None
+    (tmp_path / "a.gguf").write_bytes(b"")
+    assert gguf_file(tmp_path) == tmp_path / "a.gguf"
+    (tmp_path / "b.gguf").write_bytes(b"")
+    with pytest.raises(ValueError, match="several GGUF files"):
+        gguf_file(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf(smollm2_dir):
+    file = gguf_file(smollm2_dir)
+    assert file is not None and file.name == "model.gguf" and file.is_symlink()
+    return file, dict(iter_gguf(file))
+
+
+def test_smollm2_blocks_are_its_gguf_bit_for_bit(smollm2_gguf):
+    """First and last layer and the embedding against gguf (every tensor: the test below)."""
+    file, loaded = smollm2_gguf
+    kinds = {"int4": 0, "int8": 0, "dense": 0}
+    for tensor in gguf.GGUFReader(file).tensors:
+        w = loaded[hf_name(tensor.name)[0]]
+        kinds["dense" if isinstance(w, torch.Tensor) else f"int{w.bits}"] += 1
+        if not tensor.name.startswith(("blk.0.", "blk.29.", "token_embd.")):
+            continue
+        ref = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if ".attn_q." in tensor.name or ".attn_k." in tensor.name:
+            n_head = 9 if ".attn_q." in tensor.name else 3
+            ref = ref.reshape(n_head, -1, 2, ref.shape[1]).swapaxes(2, 1).reshape(ref.shape)
+        dense = w if isinstance(w, torch.Tensor) else dequantize(w)
+        assert torch.equal(dense, torch.from_numpy(np.array(ref))), tensor.name
+    assert kinds == {"int4": 210, "int8": 1, "dense": 61}
+
+
+def test_smollm2_matches_its_converted_checkpoint(smollm2_dir, smollm2_gguf):
+    _, loaded = smollm2_gguf
+    with safe_open(str(smollm2_dir / "model.safetensors"), framework="pt") as f:
+        assert sorted(loaded) == sorted(f.keys())
+        for name, w in loaded.items():
+            ref = f.get_tensor(name)
+            assert tuple(w.shape) == tuple(ref.shape), name
+            dense = dequantize(w) if isinstance(w, QuantizedWeight) else w
+            # transformers made it with gguf.quants.dequantize and the same un-permutation
+            assert torch.equal(dense, ref), name
