@@ -32,17 +32,18 @@ INT4_INNER_K_TILES = 2  # the op's repacking granularity (it accepts 2, 4 or 8)
 
 @dataclass(frozen=True)
 class PreparedWeight:
-    """A QuantizedWeight in the form `linear` runs on `kind`'s op."""
+    """A QuantizedWeight in the form `linear` runs on `kind`'s op (only that form is kept)."""
 
     kind: str  # "int4" | "int8" | "reference"
-    weight: QuantizedWeight  # kept for `reference`, for shapes and for byte counts
+    group_size: int
     packed: torch.Tensor | None = None  # the op's weight tensor
     scales: torch.Tensor | None = None  # the op's scale tensor, in the activation dtype
+    reference: QuantizedWeight | None = None  # kind "reference" only
 
     @property
     def nbytes(self) -> int:
-        if self.kind == "reference":
-            return self.weight.nbytes
+        if self.reference is not None:
+            return self.reference.nbytes
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales))
 
 
@@ -57,12 +58,13 @@ def prepare(w: QuantizedWeight, dtype: torch.dtype) -> PreparedWeight:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INT4_INNER_K_TILES)
         zeros = w.offsets + 8 * w.scales
         scales_and_zeros = torch.stack([w.scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
-        return PreparedWeight("int4", w, packed, scales_and_zeros)
+        return PreparedWeight("int4", w.group_size, packed, scales_and_zeros)
     if w.bits == 8 and w.group_size == w.in_features:
-        return PreparedWeight("int8", w, w.qweight.contiguous(), w.scales[:, 0].to(dtype))
+        return PreparedWeight("int8", w.group_size, w.qweight.contiguous(),
+                              w.scales[:, 0].to(dtype))
     logger.warning("int%d weights with group size %d run on the torch reference on the CPU "
                    "(dequantized per call)", w.bits, w.group_size)
-    return PreparedWeight("reference", w)
+    return PreparedWeight("reference", w.group_size, reference=w)
 
 
 def linear(x: torch.Tensor, w: PreparedWeight, bias: torch.Tensor | None = None
@@ -70,10 +72,9 @@ def linear(x: torch.Tensor, w: PreparedWeight, bias: torch.Tensor | None = None
     """y = x W^T (+ bias) for x [T, in] on the prepared weight; out [T, out] in x's dtype."""
     x = x.contiguous()
     if w.kind == "int4":
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.packed, w.weight.group_size,
-                                                        w.scales)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.packed, w.group_size, w.scales)
     elif w.kind == "int8":
         y = torch.ops.aten._weight_int8pack_mm(x, w.packed, w.scales)
     else:
-        y = F.linear(x.float(), dequantize(w.weight)).to(x.dtype)
+        y = F.linear(x.float(), dequantize(w.reference)).to(x.dtype)
     return y if bias is None else y + bias

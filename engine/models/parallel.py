@@ -222,9 +222,12 @@ def prepare_weights(model: torch.nn.Module, pack: bool) -> None:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's weights as served (quantized linears at their packed size)."""
-    dense = sum(p.numel() * p.element_size() for p in model.parameters())
-    quantized = sum(m.quantized.nbytes for m in model.modules()
-                    if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
-                    and m.quantized is not None)
-    return dense + quantized
+    """Bytes of the model's weights as held (quantized linears at their packed size, and the
+    LM head's packed copy of a tied embedding)."""
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.quantized is not None:
+            held += m.quantized.nbytes
+        if isinstance(m, VocabParallelEmbedding) and m.packed_head is not None:
+            held += m.packed_head.numel() * m.packed_head.element_size()  # the head's copy
+    return held

@@ -3,6 +3,7 @@ quantized weights say, every TP size serves the same values, and the bytes shrin
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -74,9 +75,45 @@ def test_gguf_serves_the_bundled_q4_1_blocks_as_int4(smollm2_dir):
     gguf = engine(smollm2_dir, quantization="gguf")
     dense = engine(smollm2_dir)
     linears = [m for m in gguf.engine.core.runner.model.modules() if hasattr(m, "quantized")]
-    assert linears and all(m.quantized.weight.bits == 4 and m.weight is None for m in linears)
+    assert linears and all(m.quantized.kind == "int4" and m.weight is None for m in linears)
     prompts = [gguf.tokenizer("The capital of France is").input_ids,
                gguf.tokenizer("def fibonacci(n):").input_ids]
     got, want = gguf.generate(prompts, GREEDY), dense.generate(prompts, GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert gguf.weight_bytes < dense.weight_bytes / 2.5
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_gptq_and_awq_checkpoints_serve_their_dequantized_weights(tiny_llama_dir, tmp_path,
+                                                                  method):
+    """The tiny Llama with every linear replaced by random 4-bit values in the format's
+    packing; the engine serves what a dense checkpoint of the format's dequantization does."""
+    from tests.quant_checkpoint_files import awq_tensors, gptq_tensors, random_linear
+
+    quantized_dir, dense_dir = tmp_path / method, tmp_path / "dense"
+    shutil.copytree(tiny_llama_dir, quantized_dir)
+    shutil.copytree(tiny_llama_dir, dense_dir)
+    gen = torch.Generator().manual_seed(7)
+    (file,) = quantized_dir.glob("*.safetensors")
+    packed, dense = {}, {}
+    for name, tensor in load_file(file).items():
+        if not _LINEAR_WEIGHT.fullmatch(name):
+            packed[name] = dense[name] = tensor.float()
+            continue
+        out_f, in_f = tensor.shape
+        lin = random_linear(in_f, out_f, 32, (1, 15), gen)
+        prefix = name.removesuffix(".weight")
+        packed |= gptq_tensors(prefix, lin) if method == "gptq" else awq_tensors(prefix, lin)
+        dense[name] = lin.reference().contiguous()
+    save_file(packed, file)
+    save_file(dense, next(dense_dir.glob("*.safetensors")))
+    config = json.loads((quantized_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 32,
+                                     **({"desc_act": False, "sym": False} if method == "gptq"
+                                        else {"version": "gemm", "zero_point": True})}
+    (quantized_dir / "config.json").write_text(json.dumps(config))
+    quantized, reference = engine(quantized_dir), engine(dense_dir)
+    assert quantized.config.model.quantization.method == method  # found from config.json
+    prompts = [list(p)[:100] for p in mixed_prompts(quantized.config.model.vocab_size, 9)[:3]]
+    got, want = quantized.generate(prompts, GREEDY), reference.generate(prompts, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
