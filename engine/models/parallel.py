@@ -118,7 +118,7 @@ class RowParallelLinear(torch.nn.Module):
         self.cols = tp.split(in_features, "in_features")
         kw = {"dtype": dtype, "device": device}
         self.weight = torch.nn.Parameter(torch.empty(out_features, self.cols, **kw), False)
-        self.bias, self.dtype = None, dtype
+        self.dtype = dtype
         self.quantized: QuantizedWeight | quant_linear_cpu.PreparedWeight | None = None
 
     def load(self, name: str, tensor: torch.Tensor | QuantizedWeight, shard: str = "") -> None:
@@ -155,8 +155,7 @@ class VocabParallelEmbedding(torch.nn.Module):
 
     def load(self, name: str, tensor: torch.Tensor | QuantizedWeight, shard: str = "") -> None:
         if isinstance(tensor, QuantizedWeight):  # kept dense in the serving dtype
-            tensor = dequantize(tensor.narrow(0, self.start, min(self.rows, tensor.out_features
-                                                                 - self.start)))
+            tensor = dequantize(tensor)
         local = tensor[self.start : self.start + self.rows]
         self.weight.data[: local.shape[0]].copy_(local)
 
@@ -195,12 +194,13 @@ def _set_quantized(layer: Linear, weight: QuantizedWeight) -> None:
 
 
 def _prepare(layer: Linear, pack: bool) -> None:
-    """After loading: the weight in the form its kernel reads (the CPU ops' packing of a
-    quantized weight, or oneDNN's for a dense bf16 one)."""
+    """After loading, on the CPU backend (`pack`): the weight in the form its kernel reads
+    (torch's int4/int8 ops' packing of a quantized weight, oneDNN's for a dense bf16 one)."""
+    if not pack:
+        return
     if isinstance(layer.quantized, QuantizedWeight):
-        if layer.quantized.qweight.device.type == "cpu":
-            layer.quantized = quant_linear_cpu.prepare(layer.quantized, layer.dtype)
-    elif layer.quantized is None and pack and packed_linear.can_pack(layer.weight):
+        layer.quantized = quant_linear_cpu.prepare(layer.quantized, layer.dtype)
+    elif layer.quantized is None and packed_linear.can_pack(layer.weight):
         layer.weight = torch.nn.Parameter(packed_linear.pack(layer.weight.data), False)
 
 
