@@ -17,16 +17,18 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
+from functools import partial
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from pdserve import defaults
 from pdserve.proto import pdserve_pb2, worker_pb2
 from pdserve.router.admission import Overloaded
-from pdserve.router.auth import APITokens, TokenAuth, call_tenant
+from pdserve.router.auth import APITokens, authorized, call_tenant
+from pdserve.router.h2.server import GrpcServer, Method
 from pdserve.router.placement import NoCapacity
 from pdserve.router.router import Router
 from pdserve.router.stream import WorkerFailed
@@ -66,7 +68,7 @@ class InferenceServicer:
             if isinstance(request, InvalidArgument):
                 raise request
             tenant = call_tenant(self.tokens, context.invocation_metadata())
-            if tenant is None:  # TokenAuth refuses these first; never serve one regardless
+            if tenant is None:  # `authorized` refuses these first; never serve one regardless
                 status = "invalid"
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API token")
             valid = await asyncio.to_thread(validate, request, self.router.model, self.limits,
@@ -171,19 +173,32 @@ def _parse_abort(data: bytes):
         return InvalidArgument("request_id is not valid UTF-8")
 
 
-def _handlers(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
-    def unary(fn, parse):
-        return grpc.unary_unary_rpc_method_handler(
-            fn, request_deserializer=parse, response_serializer=lambda m: m.SerializeToString())
+def _methods(servicer: InferenceServicer, health_servicer: health.aio.HealthServicer
+             ) -> dict[str, Method]:
+    def unary(fn, parse) -> Method:
+        return Method("unary", fn, parse, _serialize)
 
-    return grpc.method_handlers_generic_handler(SERVICE, {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            servicer.Generate, request_deserializer=parse_generate_request,
-            response_serializer=pdserve_pb2.GenerateResponse.SerializeToString),
-        "Abort": unary(servicer.Abort, _parse_abort),
-        "GetModelInfo": unary(servicer.GetModelInfo, pdserve_pb2.GetModelInfoRequest.FromString),
-        "GetStats": unary(servicer.GetStats, pdserve_pb2.GetStatsRequest.FromString),
-    })
+    reflection_servicer = reflection.aio.ReflectionServicer(
+        (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME))
+    check = health_pb2.HealthCheckRequest.FromString
+    return {
+        f"/{SERVICE}/Generate": Method("stream", servicer.Generate, parse_generate_request,
+                                       _serialize),
+        f"/{SERVICE}/Abort": unary(servicer.Abort, _parse_abort),
+        f"/{SERVICE}/GetModelInfo": unary(servicer.GetModelInfo,
+                                          pdserve_pb2.GetModelInfoRequest.FromString),
+        f"/{SERVICE}/GetStats": unary(servicer.GetStats, pdserve_pb2.GetStatsRequest.FromString),
+        f"/{health.SERVICE_NAME}/Check": unary(health_servicer.Check, check),
+        f"/{health.SERVICE_NAME}/Watch": Method("stream", health_servicer.Watch, check,
+                                                _serialize),
+        f"/{reflection.SERVICE_NAME}/ServerReflectionInfo": Method(
+            "bidi", reflection_servicer.ServerReflectionInfo,
+            reflection_pb2.ServerReflectionRequest.FromString, _serialize),
+    }
+
+
+def _serialize(message) -> bytes:
+    return message.SerializeToString()
 
 
 class RouterServer:
@@ -195,25 +210,19 @@ class RouterServer:
                  max_timeout_s: float = defaults.GRPC_TIMEOUT_S) -> None:
         self.router = router
         tokens = APITokens.of(api_tokens)
-        self.server = grpc.aio.server(interceptors=[TokenAuth(tokens)] if tokens else [])
-        servicer = InferenceServicer(router, tokens, limits, max_timeout_s)
-        self.server.add_generic_rpc_handlers((_handlers(servicer),))
         self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
-        bind = f"{host}:{port}"
-        self.port = (self.server.add_secure_port(bind, tls.server_credentials()) if tls
-                     else self.server.add_insecure_port(bind))
-        if not self.port:
-            raise ValueError(f"port: could not bind {host}:{port}")
+        servicer = InferenceServicer(router, tokens, limits, max_timeout_s)
+        self.server = GrpcServer(_methods(servicer, self.health),
+                                 authorize=partial(authorized, tokens) if tokens else None)
+        self.port = self.server.bind(host, port)
         self.address = f"{host}:{self.port}"
+        self._tls = tls
         self.tls = tls is not None  # clients need TLS (grpcs) to reach it
         self._maintenance: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self._refresh()
-        await self.server.start()
+        await self.server.start(self._tls)
         self._maintenance = asyncio.create_task(self._maintain(), name="router-maintenance")
         logger.info("router serving %s on %s", self.router.model.name, self.address)
 

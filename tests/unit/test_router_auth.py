@@ -1,33 +1,43 @@
-"""The router's API-token interceptor in front of a real grpc.aio server (isolated from the
-router itself: a stand-in servicer answers)."""
+"""The router's API-token check in front of the real gRPC front (GrpcServer), isolated from the
+router itself: stand-in handlers answer."""
 
 from __future__ import annotations
 
 
 def test_api_token_is_required_when_configured():
-    """TokenAuth in front of a real grpc.aio server: the router's interceptor, isolated."""
+    """`authorized` in front of a real GrpcServer over a socket: pdserve.v1 needs the token,
+    health stays open."""
     import asyncio
+    from functools import partial
 
-    import grpc
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_health.v1 import health, health_pb2
 
     from pdserve.client import AsyncClient, PdserveError
-    from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
-    from pdserve.router.auth import TokenAuth
+    from pdserve.proto import pdserve_pb2
+    from pdserve.router.auth import APITokens, authorized
+    from pdserve.router.h2.server import GrpcServer, Method
 
-    class Stats(pdserve_pb2_grpc.InferenceServicer):
-        async def GetStats(self, request, context):
-            return pdserve_pb2.Stats(num_queued=7)
+    async def get_stats(request, context):
+        return pdserve_pb2.Stats(num_queued=7)
 
-        async def Generate(self, request, context):
-            yield pdserve_pb2.GenerateResponse(text="ok", finish_reason="length")
+    async def generate(request, context):
+        yield pdserve_pb2.GenerateResponse(text="ok", finish_reason="length")
+
+    def serialize(message):
+        return message.SerializeToString()
 
     async def run():
-        server = grpc.aio.server(interceptors=[TokenAuth("s3cret")])
-        pdserve_pb2_grpc.add_InferenceServicer_to_server(Stats(), server)
         checker = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(checker, server)
-        port = server.add_insecure_port("127.0.0.1:0")
+        service = "/pdserve.v1.Inference"
+        server = GrpcServer({
+            f"{service}/GetStats": Method("unary", get_stats,
+                                          pdserve_pb2.GetStatsRequest.FromString, serialize),
+            f"{service}/Generate": Method("stream", generate,
+                                          pdserve_pb2.GenerateRequest.FromString, serialize),
+            "/grpc.health.v1.Health/Check": Method(
+                "unary", checker.Check, health_pb2.HealthCheckRequest.FromString, serialize),
+        }, authorize=partial(authorized, APITokens.of("s3cret")))
+        port = server.bind("127.0.0.1", 0)
         await server.start()
         address = f"127.0.0.1:{port}"
         try:
