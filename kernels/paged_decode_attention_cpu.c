@@ -5,7 +5,10 @@
  * item per sequence: each cached token row (every KV head, contiguous) is loaded once and scored
  * against all query heads; the heads that share a KV head (GQA) read the same slice of it. Two
  * passes over the context: scores (q . k, fp32) and their softmax, then the probability-weighted
- * sum of the values. Items are
+ * sum of the values. Head sizes that are a multiple of 16 take both passes 16 tokens at a time
+ * in 16-float vectors: the dots of 16 tokens are summed together by one shuffle tree (`sum16`)
+ * and each head's accumulator stays in registers over 16 value rows (1.35x on 2 threads at
+ * batch 16, ~400 tokens); other sizes 4 at a time with plain loops. Items are
  * spread over the OpenMP threads of the calling process (torch's own runtime: this library is
  * loaded into a process that already has libgomp, and shares it).
  *
@@ -21,6 +24,48 @@
 #include "bf16.h"
 
 #define UNROLL 4 /* tokens per group in the loops below (the code spells out 4) */
+#define SCORE_TOKENS 16 /* tokens per group of the scores pass, when head_dim % 16 == 0 */
+
+/* 16 floats: one AVX-512 register where there is one (GCC/clang vector extensions). */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+
+/* Sixteen vectors -> one: lane u is the sum of a[u]'s lanes (a is overwritten). A tree of
+ * shuffles and adds, 15 steps for 16 sums, where summing each vector alone takes 4 dependent
+ * steps apiece: what makes the scores pass cheap (the dots need no reduction per token). */
+static inline v16 sum16(v16 *a) {
+    for (int i = 0; i < 8; i++)
+        a[i] = SHUF(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + SHUF(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                    30, 31);
+    for (int i = 0; i < 4; i++)
+        a[i] = SHUF(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26,
+                    27)
+             + SHUF(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                    31);
+    for (int i = 0; i < 2; i++)
+        a[i] = SHUF(a[2 * i], a[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28,
+                    29)
+             + SHUF(a[2 * i], a[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                    31);
+    return SHUF(a[0], a[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + SHUF(a[0], a[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* The scores of SCORE_TOKENS rows (fp32, kv_dim apart) for one query head: lane u is
+ * q . row u's head slice. head_dim is a multiple of 16. */
+static inline v16 dot16(const float *qh, const float *kh, int64_t head_dim, int64_t kv_dim) {
+    v16 part[SCORE_TOKENS];
+    for (int u = 0; u < SCORE_TOKENS; u++) {
+        const float *k = kh + u * kv_dim;
+        v16 acc = *(const v16 *)qh * *(const v16 *)k;
+        for (int64_t d = 16; d < head_dim; d += 16)
+            acc += *(const v16 *)(qh + d) * *(const v16 *)(k + d);
+        part[u] = acc;
+    }
+    return sum16(part);
+}
 
 /* exp(x) for the softmax's x <= 0, in a form the compiler vectorizes (glibc's expf is a scalar
  * call per score): e^x = 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, and 2^f by its Taylor
@@ -59,7 +104,7 @@ static inline void store_row(const float *src, int dtype, int64_t n, float mul, 
 /* Walks one sequence's cached rows through its block table, block by block (a division per
  * token costs more than the dots). */
 typedef struct {
-    const char *cache, *block;
+    const char *cache, *block, *row;  /* row: the last one read */
     const int32_t *table;
     int64_t block_size, block_bytes, token_bytes, next_block, in_block, len;
 } RowWalk;
@@ -67,16 +112,15 @@ typedef struct {
 /* The next UNROLL rows from token t0, each converted into `out` (kv_dim floats apiece); past
  * the end the last row repeats (its probability is 0). */
 static inline void next_rows(RowWalk *w, int64_t t0, int dtype, int64_t kv_dim, float *out) {
-    const char *row = NULL;
     for (int u = 0; u < UNROLL; u++) {
         if (t0 + u < w->len) {
             if (w->in_block == w->block_size) {
                 w->block = w->cache + (int64_t)w->table[w->next_block++] * w->block_bytes;
                 w->in_block = 0;
             }
-            row = w->block + w->in_block++ * w->token_bytes;
+            w->row = w->block + w->in_block++ * w->token_bytes;
         }
-        load_row(row, dtype, kv_dim, 1.0f, out + u * kv_dim);
+        load_row(w->row, dtype, kv_dim, 1.0f, out + u * kv_dim);
     }
 }
 
@@ -89,14 +133,26 @@ static inline __attribute__((always_inline)) void attend_one(const char *q, cons
                        int dtype, float scale, int64_t score_stride, float *qf, float *row,
                        float *scores, float *acc, char *out) {
     int64_t kv_dim = num_kv_heads * head_dim, token_bytes = kv_dim * elem;
-    RowWalk keys = {k_cache, NULL, table, block_size, block_size * token_bytes, token_bytes,
-                    0, block_size, len};
+    RowWalk keys = {k_cache, NULL, NULL, table, block_size, block_size * token_bytes,
+                    token_bytes, 0, block_size, len};
     RowWalk values = keys;
     values.cache = v_cache;
     load_row(q, dtype, num_heads * head_dim, scale, qf);
-    /* Tokens go UNROLL at a time: each query head is loaded once per group for the dots, and
-     * each accumulator once per group for the values. */
-    for (int64_t t0 = 0; t0 < len; t0 += UNROLL) {
+    /* Tokens go SCORE_TOKENS at a time where head_dim is a multiple of 16, else UNROLL: each
+     * query head is loaded once per group for the dots, each accumulator once per group for
+     * the values. */
+    int64_t t0 = 0;
+    if (head_dim % 16 == 0) {
+        for (; t0 < len; t0 += SCORE_TOKENS) {
+            for (int u = 0; u < SCORE_TOKENS; u += UNROLL)
+                next_rows(&keys, t0 + u, dtype, kv_dim, row + u * kv_dim);
+            for (int64_t h = 0; h < num_heads; h++) {
+                v16 s = dot16(qf + h * head_dim, row + (h / group) * head_dim, head_dim, kv_dim);
+                __builtin_memcpy(scores + h * score_stride + t0, &s, sizeof s);  /* slack */
+            }
+        }
+    }
+    for (; t0 < len; t0 += UNROLL) {
         next_rows(&keys, t0, dtype, kv_dim, row);
         for (int64_t h = 0; h < num_heads; h++) {
             const float *qh = qf + h * head_dim, *kh = row + (h / group) * head_dim;
@@ -119,10 +175,28 @@ static inline __attribute__((always_inline)) void attend_one(const char *q, cons
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < len; t++) sum += (s[t] = exp_nonpositive(s[t] - top));
         for (int64_t t = 0; t < len; t++) s[t] /= sum;
-        for (int64_t t = len; t < len + UNROLL; t++) s[t] = 0.0f;  /* the tail's weight */
+        for (int64_t t = len; t < len + SCORE_TOKENS; t++) s[t] = 0.0f;  /* the tail's weight */
     }
     memset(acc, 0, (size_t)(num_heads * head_dim) * sizeof(float));
-    for (int64_t t0 = 0; t0 < len; t0 += UNROLL) {
+    t0 = 0;
+    if (head_dim % 16 == 0) {  /* 16 rows per group: each accumulator loaded once per group */
+        for (; t0 < len; t0 += SCORE_TOKENS) {
+            for (int u = 0; u < SCORE_TOKENS; u += UNROLL)
+                next_rows(&values, t0 + u, dtype, kv_dim, row + u * kv_dim);
+            for (int64_t h = 0; h < num_heads; h++) {
+                const float *p = scores + h * score_stride + t0;
+                const float *vh = row + (h / group) * head_dim;
+                float *a = acc + h * head_dim;
+                for (int64_t d = 0; d < head_dim; d += 16) {
+                    v16 x = *(v16 *)(a + d);
+                    for (int u = 0; u < SCORE_TOKENS; u++)
+                        x += p[u] * *(const v16 *)(vh + u * kv_dim + d);
+                    *(v16 *)(a + d) = x;
+                }
+            }
+        }
+    }
+    for (; t0 < len; t0 += UNROLL) {
         next_rows(&values, t0, dtype, kv_dim, row);
         for (int64_t h = 0; h < num_heads; h++) {
             const float *p = scores + h * score_stride + t0, *vh = row + (h / group) * head_dim;
@@ -149,8 +223,8 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
     {
         float *qf = malloc(sizeof(float) * (size_t)q_dim);
         float *acc = malloc(sizeof(float) * (size_t)q_dim);
-        float *row = malloc(sizeof(float) * (size_t)(UNROLL * kv_dim));
-        float *scores = malloc(sizeof(float) * (size_t)(num_heads * (max_context + UNROLL)));
+        float *row = malloc(sizeof(float) * (size_t)(SCORE_TOKENS * kv_dim));
+        float *scores = malloc(sizeof(float) * (size_t)(num_heads * (max_context + SCORE_TOKENS)));
         int ok = qf && acc && row && scores;
         if (!ok) {
 #pragma omp atomic write
@@ -165,7 +239,7 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
 #define ATTEND(HEAD_DIM)                                                                      \
     attend_one(qs, (const char *)k_cache, (const char *)v_cache, table, context_lens[s],      \
                num_heads, group, HEAD_DIM, block_size, num_kv_heads, elem, dtype, scale,      \
-               max_context + UNROLL, qf, row, scores, acc, os)
+               max_context + SCORE_TOKENS, qf, row, scores, acc, os)
             if (head_dim == 64)
                 ATTEND(64);
             else if (head_dim == 128)
