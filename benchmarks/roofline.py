@@ -1,4 +1,5 @@
-"""pdserve's decode step against the machine's memory-bandwidth roofline.
+"""pdserve's decode step against the machine's memory-bandwidth roofline, and the workload
+against its compute floor.
 
 A decode step reads every weight once (linears and LM head; the embedding lookup reads a few
 rows) and every running sequence's K/V once, so its floor is those bytes over the memory read
@@ -7,6 +8,10 @@ untouched memory would read the shared zero page and fake it). Step: pdserve's o
 `batch` sequences of `prompt_len` random tokens, the mean over 64 steps (generate 65 tokens
 minus generate 1, fresh prompts each time so the prefix cache serves nothing, best of two).
 Run in a child of its own with the benchmark's threads.
+
+Compute floor: the workload's matmul FLOPs (each request's prompt and generated positions
+through every layer, the LM head once per sampled token, causal attention) over the best rate
+a large GEMM reaches here in the serving dtype: no engine finishes the workload faster.
 """
 
 from __future__ import annotations
@@ -75,3 +80,42 @@ def describe(r: dict) -> str:
     return (f"decode step @ batch {r['batch']}: {r['step_ms']:.1f} ms; memory floor "
             f"{r['floor_ms']:.1f} ms (weights {r['weights_mb']:.0f} MB + KV {r['kv_mb']:.0f} MB "
             f"at {r['bandwidth_gbs']:.1f} GB/s read) -> {r['roofline_pct']:.0f}% of roofline")
+
+
+GEMM_SIZE = 1024
+
+
+def gemm_rate(opts: dict) -> float:
+    """FLOP/s of the best square GEMM_SIZE matmul in the run's dtype with its threads (oneDNN
+    or MKL at their best): an upper bound for any linear layer's rate on this machine."""
+    import torch
+
+    torch.set_num_threads(opts["threads"])
+    size = GEMM_SIZE
+    a, b = (torch.randn(size, size).to(getattr(torch, opts["dtype"])) for _ in range(2))
+    torch.mm(a, b)
+    return 2 * size**3 / _best(lambda: torch.mm(a, b), 5)
+
+
+def compute_floor(hf: dict, reqs, rate: float) -> dict:
+    """The workload's matmul FLOPs (every position through every layer, the LM head once per
+    sampled token, causal attention) and the fastest it could run at `rate` FLOP/s."""
+    d, layers = hf["hidden_size"], hf["num_hidden_layers"]
+    hd = hf.get("head_dim") or d // hf["num_attention_heads"]
+    q, kv = hf["num_attention_heads"] * hd, hf["num_key_value_heads"] * hd
+    per_layer = d * q + 2 * d * kv + q * d + 3 * d * hf["intermediate_size"]
+    flops = 0.0
+    for r in reqs:
+        positions = len(r.prompt_token_ids) + r.output_len - 1
+        flops += 2 * layers * per_layer * positions + 2 * d * hf["vocab_size"] * r.output_len
+        flops += 4 * layers * q * positions * (positions + 1) / 2  # scores and values
+    seconds = flops / rate
+    output = sum(r.output_len for r in reqs)
+    return {"tflop": flops / 1e12, "gemm_gflops": rate / 1e9, "floor_s": seconds,
+            "ceiling_tok_s": output / seconds}
+
+
+def describe_compute(c: dict) -> str:
+    return (f"compute floor: {c['tflop']:.2f} TFLOP of matmuls at {c['gemm_gflops']:.0f} GFLOP/s "
+            f"(the best {GEMM_SIZE}^3 GEMM here) = {c['floor_s']:.1f} s -> at most "
+            f"{c['ceiling_tok_s']:.0f} output tok/s with nothing else")
