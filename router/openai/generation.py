@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -21,7 +20,7 @@ from pdserve.proto import pdserve_pb2
 from pdserve.router.mailbox import Mailbox
 from pdserve.router.openai.errors import error_body, status_of
 from pdserve.router.openai.protocol import OpenAIRequest
-from pdserve.router.openai.responses import Choices
+from pdserve.router.openai.responses import Choices, dumps
 
 logger = logging.getLogger(__name__)
 
@@ -36,14 +35,18 @@ class ChoiceStreams:
     A writer that fell behind (the client reads slower than tokens arrive: `send` waits on
     the socket's flow control) gets everything that arrived meanwhile at once, each choice's
     messages joined into one (see Mailbox), so it writes one event per choice, not one per
-    token, and what waits is just those messages.
+    token, and what waits is just those messages. A single choice (n = 1, nearly every
+    request) is read straight from its router stream, no task between: that stream already
+    merges whatever waited while the writer was busy (router/stream.py).
     """
 
     def __init__(self, streams: list[AsyncIterator[pdserve_pb2.GenerateResponse]]) -> None:
         self._mailbox = Mailbox()
         self._open = len(streams)
         self._error: Exception | None = None  # raised once the messages before it are out
-        self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
+        self._single = streams[0] if len(streams) == 1 else None
+        self._tasks = [] if self._single is not None else [
+            asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
 
     async def _pump(self, index: int, stream: AsyncIterator) -> None:
         try:
@@ -57,6 +60,9 @@ class ChoiceStreams:
     async def next(self) -> list[tuple[int, pdserve_pb2.GenerateResponse]]:
         """What arrived since the last call: (choice, message) with one message per choice;
         [] once every choice has finished."""
+        if self._single is not None:
+            message = await anext(self._single, None)
+            return [] if message is None else [(0, message)]
         while self._open and self._error is None:
             arrived: dict[int, list[pdserve_pb2.GenerateResponse]] = {}
             for index, item in await self._mailbox.take():
@@ -75,6 +81,8 @@ class ChoiceStreams:
 
     async def close(self) -> None:
         """Cancel what still runs (the router frees those requests) and wait for it."""
+        if self._single is not None:
+            await self._single.aclose()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -137,7 +145,7 @@ class GenerationResponse:
         chunks = self.choices.first_chunks()
         while arrived:
             chunks += [chunk for index, message in arrived
-                       if (chunk := self.choices.add(index, message)) is not None]
+                       if (chunk := self.choices.add_json(index, message)) is not None]
             await _events(send, chunks)
             chunks, arrived = [], await streams.next()
         if self.request.include_usage:
@@ -162,18 +170,18 @@ class GenerationResponse:
 
 
 async def send_json(send: Send, status: int, body: dict[str, Any]) -> None:
-    data = json.dumps(body, separators=(",", ":")).encode()
+    data = dumps(body).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(data)).encode())]})
     await send({"type": "http.response.body", "body": data})
 
 
-async def _events(send: Send, chunks: list[dict[str, Any]]) -> None:
-    """Server-Sent Events, one per chunk, in one write."""
+async def _events(send: Send, chunks: list[dict[str, Any] | str]) -> None:
+    """Server-Sent Events, one per chunk (a dict, or its JSON text already), in one write."""
     if not chunks:
         return
-    data = "".join(f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n" for chunk in chunks)
+    data = "".join(f"data: {c if isinstance(c, str) else dumps(c)}\n\n" for c in chunks)
     await send({"type": "http.response.body", "body": data.encode(), "more_body": True})
 
 

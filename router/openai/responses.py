@@ -7,12 +7,20 @@ and usage (usage counts each prompt once, whatever `n`).
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.proto import pdserve_pb2
 from pdserve.router.openai.protocol import OpenAIRequest
+
+_MARK = "\x00"  # where a template's text goes (json.dumps writes it as \u0000, once)
+
+
+def dumps(value: Any) -> str:
+    """Compact JSON, as the HTTP front sends it."""
+    return json.dumps(value, separators=(",", ":"))
 
 
 class TokenTexts:
@@ -46,11 +54,38 @@ class Choices:
         self.request, self.model, self.texts = request, model, texts
         self.created = int(time.time())
         self.choices = [_Choice() for _ in range(len(request.requests) * request.n)]
+        self._templates: dict[int, tuple[str, str]] = {}  # add_json's, per choice
 
     # ---- one message in, the chunk it makes ----
 
     def add(self, index: int, message: pdserve_pb2.GenerateResponse) -> dict[str, Any] | None:
         """Record a message of choice `index`; the stream chunk for it (None: nothing new)."""
+        new_logprobs = self._record(index, message)
+        if not (message.text or message.token_ids or message.finish_reason):
+            return None
+        return self._chunk([self._chunk_choice(index, message, new_logprobs)])
+
+    def add_json(self, index: int, message: pdserve_pb2.GenerateResponse) -> str | None:
+        """`add`, with the chunk as the JSON text a stream sends. A plain text delta (no
+        logprobs, not the last: nearly every chunk) comes from a template of that same chunk,
+        not through a dict and a whole json.dumps: the per-token cost of the HTTP front."""
+        if self.request.logprobs is not None or message.finish_reason:
+            chunk = self.add(index, message)
+            return None if chunk is None else dumps(chunk)
+        self._record(index, message)
+        if not (message.text or message.token_ids):
+            return None
+        template = self._templates.get(index)
+        if template is None:  # the chunk `add` makes, its text marked (the mark is last)
+            entry: dict[str, Any] = {"index": index, "finish_reason": None}
+            entry.update({"delta": {"content": _MARK}} if self.request.chat else {"text": _MARK})
+            entry["logprobs"] = None
+            head, tail = dumps(self._chunk([entry])).rsplit(dumps(_MARK), 1)
+            template = self._templates[index] = (head, tail)
+        return dumps(message.text).join(template)
+
+    def _record(self, index: int, message: pdserve_pb2.GenerateResponse) -> Any:
+        """A message of choice `index` into its text, counts and end; its new logprobs."""
         choice = self.choices[index]
         offset = len(choice.text)
         choice.text += message.text
@@ -60,9 +95,7 @@ class Choices:
             choice.finish_reason = message.finish_reason
             choice.stop_reason = self._stop_reason(index, message.stop_reason)
             choice.usage = message.usage
-        if not (message.text or message.token_ids or message.finish_reason):
-            return None
-        return self._chunk([self._chunk_choice(index, message, new_logprobs)])
+        return new_logprobs
 
     def first_chunks(self) -> list[dict[str, Any]]:
         """Chat streams open each choice with the assistant role, as OpenAI's do."""

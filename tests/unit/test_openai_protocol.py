@@ -184,3 +184,33 @@ def test_chat_chunks_open_with_the_role() -> None:
                                    "delta": {"content": "hi"}, "logprobs": None}
     done = choices.add(1, message("", [], "length", prompt_tokens=2, completion_tokens=1))
     assert done["choices"][0]["delta"] == {} and done["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": ["a", "b"], "n": 2},
+    {"messages": [{"role": "user", "content": "x"}], "n": 3},
+    {"prompt": "a", "logprobs": 1},
+    {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 1},
+])
+def test_streamed_chunk_json_is_the_chunk_dumped(body) -> None:
+    """add_json (a template for plain deltas) writes exactly what json.dumps of add's chunk
+    does, for every choice, any text (quotes, escapes, control characters, non-ASCII, the
+    template's own mark), and the last message; and both keep the same answer."""
+    import json
+    import random
+
+    parsed = (parse_chat if "messages" in body else parse_completion)(body)
+    fast, slow = (Choices(parsed, 'model "m"\x00', FakeTexts()) for _ in range(2))
+    slow.created = fast.created
+    rng = random.Random(0)
+    alphabet = ['a', ' ', '"', '\\', '\n', '\x00', '\x1f', 'é', '漢', '😀', '</', '{"x":1}']
+    for step in range(30):
+        for i in range(len(fast.choices)):
+            text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(4)))
+            ids = [rng.randrange(100) for _ in range(rng.randrange(3))]
+            last = step == 29
+            msg = message(text, ids, "length" if last else "", prompt_tokens=3 if last else 0)
+            chunk = slow.add(i, msg)
+            assert fast.add_json(i, msg) == (None if chunk is None else
+                                             json.dumps(chunk, separators=(",", ":")))
+    assert fast.response() == slow.response()
