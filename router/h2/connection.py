@@ -143,7 +143,8 @@ class Connection(asyncio.Protocol):
         self.end(call)
 
     def end(self, call: Call, reset_by_client: bool = False) -> None:
-        """The stream is closed: forget it; a handler still running is cancelled."""
+        """The stream is closed: forget it. Closed by the client (a reset, or the connection
+        lost), a handler still running is cancelled."""
         if call.ended:
             return
         call.ended = True
@@ -180,8 +181,6 @@ class Connection(asyncio.Protocol):
         if not self.inbound.preface and not self.closed:
             self.closed = True
             self.transport.close()
-
-    # ---- reading ----
 
     def new_call(self, stream_id: int, method: str, metadata: tuple) -> Call:
         call = Call(self, stream_id, method, metadata, self.peer_window, self.limits.recv_window)
