@@ -210,7 +210,6 @@ class Inbound:
         raise f.H2Error(f.PROTOCOL_ERROR, "PUSH_PROMISE from a client")
 
 
-
 def _unpad(flags: int, payload: bytes) -> bytes:
     if not flags & f.PADDED:
         return payload
