@@ -28,6 +28,7 @@ from pdserve import defaults
 from pdserve.proto import pdserve_pb2, worker_pb2
 from pdserve.router.admission import Overloaded
 from pdserve.router.auth import APITokens, authorized, call_tenant
+from pdserve.router.h2.call import CallEnded
 from pdserve.router.h2.server import GrpcServer, Method
 from pdserve.router.placement import NoCapacity
 from pdserve.router.router import Router
@@ -154,10 +155,8 @@ async def _write(context, message) -> bool:
     try:
         await context.write(message)
         return True
-    except Exception:  # grpc's ExecuteBatchError: no call left to write to
-        if context.cancelled() or context.done():
-            return False
-        raise
+    except CallEnded:
+        return False
 
 
 def _loop_time(monotonic: float) -> float:
