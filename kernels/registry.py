@@ -4,8 +4,9 @@ Every backend exposes the same ops with the signatures of the `*_ref` functions;
 wrappers add keyword-only tuning knobs (e.g. `num_splits`) that callers may ignore. The int8
 ops take the scale tensors of `kernels.kv_quant` right after the caches. `torch` is the
 references alone; `cpu` is the references plus the C kernels of `kernels.native` (decode
-attention reading K/V in place, RMSNorm, RoPE), picked on a CPU when the C compiler built them;
-each falls back to its reference for a dtype or layout it does not take.
+attention reading K/V in place, RMSNorm, RoPE) and prefill attention one sequence at a time
+(`paged_prefill_attention_cpu`), picked on a CPU when the C compiler built them; each falls
+back to its reference for a dtype or layout it does not take.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from pdserve.kernels.paged_prefill_attention import (
     paged_prefill_attention_int8_ref,
     paged_prefill_attention_ref,
 )
+from pdserve.kernels.paged_prefill_attention_cpu import paged_prefill_attention_cpu
 from pdserve.kernels.rms_norm import rms_norm, rms_norm_cpu, rms_norm_ref
 from pdserve.kernels.rotary_embedding import (
     rotary_embedding,
@@ -100,7 +102,8 @@ def _native_paged_decode_attention(
 
 CPU_BACKEND = replace(
     TORCH_BACKEND, name="cpu", paged_decode_attention=_native_paged_decode_attention,
-    rms_norm=rms_norm_cpu, rotary_embedding=rotary_embedding_cpu,
+    paged_prefill_attention=paged_prefill_attention_cpu, rms_norm=rms_norm_cpu,
+    rotary_embedding=rotary_embedding_cpu,
 )
 
 TRITON_BACKEND = KernelBackend(
