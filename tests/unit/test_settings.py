@@ -310,10 +310,12 @@ def test_non_finite_transfer_timeout_is_refused(value) -> None:
 
 
 @pytest.mark.parametrize("fields,threads", [
-    ({}, {"prefill": 1, "decode": 1}),  # the embedded default on 2 cores: 1 + 1
+    ({}, {"prefill": 1, "decode": 2}),  # the embedded default on 2 cores: decode gets both
     ({"mode": "colocated"}, {"decode": 2}),  # a lone colocated worker gets both
     ({"mode": "colocated", "decode_workers": 2}, {"decode": 1}),
-    ({"prefill_workers": 2, "decode_workers": 2}, {"prefill": 1, "decode": 1}),  # at least 1
+    ({"prefill_workers": 2, "decode_workers": 2}, {"prefill": 1, "decode": 1}),
+    ({"prefill_workers": 3, "decode_workers": 4}, {"prefill": 1, "decode": 1}),  # at least 1
+    ({"decode_tp": 2}, {"prefill": 1, "decode": 1}),  # a rank per core
     ({"decode_threads": 3}, {"prefill": 1, "decode": 3}),  # given wins
 ])
 def test_worker_threads_split_the_cores(monkeypatch, fields, threads) -> None:
