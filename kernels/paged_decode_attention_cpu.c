@@ -13,8 +13,8 @@
  * loaded into a process that already has libgomp, and shares it).
  *
  * bf16 caches on a CPU with AVX512-BF16, head sizes a multiple of 32 and up to 8 query heads
- * per KV head take `decode_attention_bf16.h` instead: bf16 dot products, no conversion, one
- * item per (sequence, KV head), rows asked for ahead of use (1.2-1.4x per step's attention).
+ * per KV head take `decode_attention_bf16.h` instead: bf16 dot products, no conversion, rows
+ * asked for ahead of use (1.2-1.4x per step's attention).
  *
  * Layouts (element strides; the Python wrapper checks them):
  *   q        [num_seqs, num_heads, head_dim]   token stride q_stride, head stride head_dim
