@@ -142,7 +142,7 @@ static inline __attribute__((always_inline)) void attend_group_bf16(
     }
     /* Lane i of the lo (hi) sum of vector c is dim 32c + 8(i / 4) + i % 4 (+ 4). */
     for (int64_t h = 0; h < GROUP; h++) {
-        float inv = 1.0f / sums[h], lanes[32];
+        float inv = sums[h] > 0.0f ? 1.0f / sums[h] : 0.0f, lanes[32];  /* len 0: zeros */
         for (int64_t c = 0; c < nv; c++) {
             _mm512_storeu_ps(lanes, acc[h][2 * c]);
             _mm512_storeu_ps(lanes + 16, acc[h][2 * c + 1]);
@@ -154,6 +154,7 @@ static inline __attribute__((always_inline)) void attend_group_bf16(
         }
     }
 }
+
 /* Every sequence of a bf16 batch on the AVX512-BF16 path, its KV heads in turn, with GROUP and
  * DIM literal for the common shapes (their loops unroll, sums stay in registers). */
 static int attend_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,

@@ -27,7 +27,7 @@ def paged_prefill_attention_cpu(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, cumulative query lengths
     context_lens: torch.Tensor,  # [num_seqs] int32, tokens in the cache incl. the chunk
     scale: float,
-    max_query_len: int | None = None,  # unused: the lengths are read per sequence
+    max_query_len: int | None = None,  # both unused: the lengths are read per sequence
     max_context_len: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
