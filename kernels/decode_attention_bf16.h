@@ -106,17 +106,12 @@ static inline __attribute__((always_inline)) void attend_group_bf16(
     }
     float sums[MAX_GROUP];
     for (int64_t h = 0; h < GROUP; h++) {
-        float *s = scores + h * stride, top = -INFINITY, sum = 0.0f;
-#pragma omp simd reduction(max : top)
-        for (int64_t t = 0; t < len; t++) top = s[t] > top ? s[t] : top;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; t++) sum += (s[t] = exp_nonpositive(s[t] - top));
-        for (int64_t t = len; t < len + 16; t++) s[t] = 0.0f;  /* the last pair's partner */
+        float *s = scores + h * stride;
+        sums[h] = exp_shifted(s, len, 16);  /* the tail: the last pair's partner, weight 0 */
         uint16_t *p = probs + h * stride;
         for (int64_t t = 0; t < len + 1; t += 16)
             _mm256_storeu_si256((__m256i *)(p + t),
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + t)));
-        sums[h] = sum;
     }
     __m512 acc[MAX_GROUP][2 * MAX_DIM_VECS];
     for (int64_t h = 0; h < GROUP; h++)

@@ -84,7 +84,19 @@ static inline float exp_nonpositive(float x) {
     return p * scale.f;
 }
 
-#include "decode_attention_bf16.h" /* uses sum16 and exp_nonpositive above */
+/* s[0:len] = exp(s - max(s)), and s[len:len + tail] = 0; returns the sum (the softmax's
+ * denominator: the weights are left unnormalized). */
+static inline float exp_shifted(float *s, int64_t len, int64_t tail) {
+    float top = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : top)
+    for (int64_t t = 0; t < len; t++) top = s[t] > top ? s[t] : top;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; t++) sum += (s[t] = exp_nonpositive(s[t] - top));
+    for (int64_t t = len; t < len + tail; t++) s[t] = 0.0f;
+    return sum;
+}
+
+#include "decode_attention_bf16.h" /* uses sum16 and exp_shifted above */
 
 /* dst[0:n] = src[0:n] * mul, as fp32. */
 static inline void load_row(const void *src, int dtype, int64_t n, float mul, float *dst) {
@@ -175,13 +187,9 @@ static inline __attribute__((always_inline)) void attend_one(const char *q, cons
         }
     }
     for (int64_t h = 0; h < num_heads; h++) {
-        float *s = scores + h * score_stride, top = -INFINITY, sum = 0.0f;
-#pragma omp simd reduction(max : top)
-        for (int64_t t = 0; t < len; t++) top = s[t] > top ? s[t] : top;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; t++) sum += (s[t] = exp_nonpositive(s[t] - top));
+        float *s = scores + h * score_stride;
+        float sum = exp_shifted(s, len, SCORE_TOKENS);  /* the tail gets weight 0 */
         for (int64_t t = 0; t < len; t++) s[t] /= sum;
-        for (int64_t t = len; t < len + SCORE_TOKENS; t++) s[t] = 0.0f;  /* the tail's weight */
     }
     memset(acc, 0, (size_t)(num_heads * head_dim) * sizeof(float));
     t0 = 0;
