@@ -1,4 +1,5 @@
-"""Linears on weights packed once for oneDNN (kernels.packed_linear) against F.linear."""
+"""Linears on weights packed once (kernels.packed_linear: the blocked AVX512-BF16 kernel, or
+oneDNN's layout) against F.linear."""
 
 from __future__ import annotations
 
@@ -10,10 +11,48 @@ from paged_case import rel_err
 from pdserve import LLM, SamplingParams
 from pdserve.kernels import packed_linear
 
+blocked = pytest.mark.skipif(not packed_linear.blocked_available(),
+                             reason="this CPU lacks AVX512-BF16: oneDNN packs every weight")
+
+
+@blocked
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 96, 97, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_blocked_matches_f_linear_and_onednn(rows, with_bias):
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(192, 80, generator=gen).bfloat16()
+    b = torch.randn(192, generator=gen).bfloat16() if with_bias else None
+    x = torch.randn(rows, 80, generator=gen).bfloat16()
+    packed = packed_linear.pack(w)
+    assert packed.shape == (3, 40, 64, 2) and not packed.is_mkldnn
+    out = packed_linear.linear(x, packed, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 192)
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert rel_err(out, ref) < 1e-2
+    onednn = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+    assert rel_err(out, packed_linear.linear(x, onednn, b)) < 5e-3  # both: fp32 sums, one round
+
+
+@blocked
+def test_blocked_takes_any_leading_dims_and_no_rows():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 32, generator=gen).bfloat16()
+    packed = packed_linear.pack(w)
+    x = torch.randn(2, 3, 32, generator=gen).bfloat16()[:, ::2]  # strided
+    out = packed_linear.linear(x, packed)
+    assert out.shape == (2, 2, 64)
+    assert rel_err(out, F.linear(x.float(), w.float())) < 1e-2
+    assert packed_linear.linear(x[:0], packed).shape == (0, 2, 64)
+    with pytest.raises(ValueError, match="x must be bfloat16"):
+        packed_linear.linear(x.float(), packed)
+    with pytest.raises(ValueError, match="bias must be"):
+        packed_linear.linear(x, packed, torch.zeros(63, dtype=torch.bfloat16))
+
 
 @pytest.mark.parametrize("rows", [1, 7, 32, 33, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_matches_f_linear(rows, with_bias):
+    """Output columns that do not tile by 64: oneDNN's layout."""
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(200, 96, generator=gen).bfloat16()
     b = torch.randn(200, generator=gen).bfloat16() if with_bias else None
@@ -39,6 +78,7 @@ def test_the_cpu_backend_packs_bf16_models(tiny_llama_dir):
         llm = LLM(model=str(tiny_llama_dir), dtype="bfloat16", num_threads=2, num_kv_blocks=16,
                   max_model_len=256, kernel_backend=backend)
         model = llm.engine.core.runner.model
-        assert model.layers[0].mlp.gate_up_proj.weight.is_mkldnn == (backend == "cpu")
+        weight = model.layers[0].mlp.gate_up_proj.weight
+        assert (weight.is_mkldnn or weight.dim() == 4) == (backend == "cpu")
         outputs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outputs["cpu"] == outputs["torch"]
