@@ -1,4 +1,4 @@
-"""The CPU backend's prefill attention (one SDPA call per sequence) against the reference.
+"""The CPU backend's prefill attention (a decode query per token) against the reference.
 
 Bounds (relative norm error against the reference evaluated in fp32 on the same inputs):
 fp32 1e-5; bf16 1e-2 (inputs and output rounded to bf16). Unowned cache slots hold NaN, so a
@@ -45,6 +45,14 @@ def test_matches_reference(dtype, block_size, head_dim, group, num_kv_heads):
                                       c.block_tables, starts, c.context_lens, 0.1)
     assert out.dtype == dtype and out.shape == q.shape
     assert rel_err(out, ref) < BOUND[dtype]
+
+
+def test_fp16_caches_take_the_reference():
+    """The C kernel takes fp32 and bf16 caches; fp16 ones go to the reference, unchanged."""
+    case = finite(make_case([c for _, c in SEQS], 16, 2, 64, torch.float16, seed=3))
+    q, starts = _inputs(torch.float16, 4, 64, SEQS, seed=3)
+    args = (q, case.k_cache, case.v_cache, case.block_tables, starts, case.context_lens, 0.1)
+    assert torch.equal(paged_prefill_attention_cpu(*args), paged_prefill_attention_ref(*args))
 
 
 def test_each_sequence_sees_only_its_own_causal_past():
