@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "exp.h"
 
 #define UNROLL 4 /* tokens per group in the loops below (the code spells out 4) */
 #define SCORE_TOKENS 16 /* tokens per group of the scores pass, when head_dim % 16 == 0 */
@@ -69,19 +70,6 @@ static inline v16 dot16(const float *qh, const float *kh, int64_t head_dim, int6
         part[u] = acc;
     }
     return sum16(part);
-}
-
-/* exp(x) for the softmax's x <= 0, in a form the compiler vectorizes (glibc's expf is a scalar
- * call per score): e^x = 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, and 2^f by its Taylor
- * series to degree 6 (relative error < 2e-7, about 1 ulp). */
-static inline float exp_nonpositive(float x) {
-    float t = (x < -87.0f ? -87.0f : x) * 1.44269504088896341f;  /* 2^-126: still normal */
-    float n = __builtin_rintf(t), y = (t - n) * 0.693147180559945309f;
-    float p = 1.0f + y * (1.0f + y * (0.5f + y * (1.0f / 6 + y * (1.0f / 24 + y * (1.0f / 120
-              + y * (1.0f / 720))))));
-    union { int32_t i; float f; } scale;
-    scale.i = ((int32_t)n + 127) << 23;
-    return p * scale.f;
 }
 
 /* s[0:len] = exp(s - max(s)), and s[len:len + tail] = 0; returns the sum (the softmax's

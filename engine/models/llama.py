@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from pdserve.engine.attention import Attention, AttentionMetadata
 from pdserve.engine.config import ModelConfig
@@ -73,15 +72,15 @@ class LlamaAttention(torch.nn.Module):
 
 
 class LlamaMLP(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, **kw):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, ops: KernelBackend, **kw):
         super().__init__()
+        self.ops = ops
         shards = {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, shards, False, tp, **kw)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(torch.nn.Module):
@@ -90,7 +89,7 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, **kw)
         self.self_attn = LlamaAttention(cfg, tp, ops, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, **kw)
-        self.mlp = LlamaMLP(cfg, tp, **kw)
+        self.mlp = LlamaMLP(cfg, tp, ops, **kw)
 
     def forward(self, hidden, residual, positions, rope, kv_cache, meta):
         hidden, residual = self.input_layernorm(hidden, residual)
