@@ -4,9 +4,10 @@ Every backend exposes the same ops with the signatures of the `*_ref` functions;
 wrappers add keyword-only tuning knobs (e.g. `num_splits`) that callers may ignore. The int8
 ops take the scale tensors of `kernels.kv_quant` right after the caches. `torch` is the
 references alone; `cpu` is the references plus the C kernels of `kernels.native` (decode
-attention reading K/V in place, RMSNorm, RoPE) and prefill attention one sequence at a time
-(`paged_prefill_attention_cpu`), picked on a CPU when the C compiler built them; each falls
-back to its reference for a dtype or layout it does not take.
+attention reading K/V in place, also prefill attention as one decode query per token in
+`paged_prefill_attention_cpu`; RMSNorm, RoPE, SiLU * up, the K/V store), picked on a CPU
+when the C compiler built them; each falls back to its reference for a dtype or layout it does
+not take.
 """
 
 from __future__ import annotations
@@ -44,7 +45,14 @@ from pdserve.kernels.rotary_embedding import (
     rotary_embedding_cpu,
     rotary_embedding_ref,
 )
-from pdserve.kernels.store_kv import store_kv, store_kv_int8, store_kv_int8_ref, store_kv_ref
+from pdserve.kernels.silu_and_mul import silu_and_mul_cpu, silu_and_mul_ref
+from pdserve.kernels.store_kv import (
+    store_kv,
+    store_kv_cpu,
+    store_kv_int8,
+    store_kv_int8_ref,
+    store_kv_ref,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +69,7 @@ class KernelBackend:
     paged_prefill_attention: Callable[..., torch.Tensor]
     rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary_embedding: Callable[..., None]
+    silu_and_mul: Callable[..., torch.Tensor]
     # int8 KV cache (kernels.kv_quant): the scale tensors follow the caches.
     store_kv_int8: Callable[..., None]
     paged_decode_attention_int8: Callable[..., torch.Tensor]
@@ -77,6 +86,7 @@ TORCH_BACKEND = KernelBackend(
     paged_prefill_attention=paged_prefill_attention_ref,
     rms_norm=rms_norm_ref,
     rotary_embedding=rotary_embedding_ref,
+    silu_and_mul=silu_and_mul_ref,
     store_kv_int8=store_kv_int8_ref,
     paged_decode_attention_int8=paged_decode_attention_int8_ref,
     paged_prefill_attention_int8=paged_prefill_attention_int8_ref,
@@ -103,7 +113,7 @@ def _native_paged_decode_attention(
 CPU_BACKEND = replace(
     TORCH_BACKEND, name="cpu", paged_decode_attention=_native_paged_decode_attention,
     paged_prefill_attention=paged_prefill_attention_cpu, rms_norm=rms_norm_cpu,
-    rotary_embedding=rotary_embedding_cpu,
+    rotary_embedding=rotary_embedding_cpu, silu_and_mul=silu_and_mul_cpu, store_kv=store_kv_cpu,
 )
 
 TRITON_BACKEND = KernelBackend(
@@ -113,6 +123,7 @@ TRITON_BACKEND = KernelBackend(
     paged_prefill_attention=paged_prefill_attention,
     rms_norm=rms_norm,
     rotary_embedding=rotary_embedding,
+    silu_and_mul=silu_and_mul_ref,  # torch's elementwise kernels on CUDA
     store_kv_int8=store_kv_int8,
     paged_decode_attention_int8=paged_decode_attention_int8,
     paged_prefill_attention_int8=paged_prefill_attention_int8,

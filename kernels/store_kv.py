@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels import native
 from pdserve.kernels.checks import (
     FLOAT_DTYPES,
     check_device,
@@ -142,6 +143,40 @@ def store_kv_ref(
     v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(
         0, slot_mapping, value.to(v_cache.dtype)
     )
+
+
+def _cpu_kernel():
+    return native.function("store_kv_cpu", "store_kv", (native.PTR, native.I64) * 2
+                           + (native.PTR,) * 3 + (native.I64,) * 3, native.INT)
+
+
+def store_kv_cpu(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, block_id * block_size + offset
+) -> None:
+    """`store_kv_ref` in one C call (`store_kv_cpu.c`) where the rows copy as they are (same
+    dtype, each token's heads contiguous); anything else goes to the reference."""
+    kernel = _cpu_kernel()
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    row = num_kv_heads * head_dim
+    plain = (
+        kernel is not None and key.dtype == value.dtype == k_cache.dtype == v_cache.dtype
+        and key.shape == value.shape == (slot_mapping.shape[0], num_kv_heads, head_dim)
+        and all(t.stride()[1:] == (head_dim, 1) for t in (key, value))
+        and k_cache.is_contiguous() and v_cache.is_contiguous()
+        and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+    )
+    if not plain:
+        return store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+    size = k_cache.element_size()
+    rc = kernel(key.data_ptr(), key.stride(0) * size, value.data_ptr(), value.stride(0) * size,
+                k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(),
+                slot_mapping.shape[0], num_blocks * block_size, row * size)
+    if rc != 0:
+        raise IndexError(f"store_kv: a slot is past the cache's {num_blocks * block_size}")
 
 
 def store_kv_int8_ref(
