@@ -59,7 +59,7 @@ class ModelRunner:
         model_class = MODEL_CLASSES[cfg.architecture]
         self.model = model_class(cfg, self.tp, self.ops, self.dtype, self.device)
         load_weights(self.model, cfg.path, cfg.quantization)
-        # on the CPU backend: quantized linears packed for torch's ops, bf16 ones for oneDNN
+        # on the CPU backend: quantized linears packed for torch's ops, bf16 ones for their kernel
         prepare_weights(self.model, pack=self.ops.name == "cpu")
         self.weight_bytes = weight_bytes(self.model)
         self.model.eval()

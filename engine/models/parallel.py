@@ -195,7 +195,8 @@ def _set_quantized(layer: Linear, weight: QuantizedWeight) -> None:
 
 def _prepare(layer: Linear, pack: bool) -> None:
     """After loading, on the CPU backend (`pack`): the weight in the form its kernel reads
-    (torch's int4/int8 ops' packing of a quantized weight, oneDNN's for a dense bf16 one)."""
+    (torch's int4/int8 ops' packing of a quantized weight, `packed_linear.pack` for a dense
+    bf16 one)."""
     if not pack:
         return
     if isinstance(layer.quantized, QuantizedWeight):
