@@ -3,7 +3,7 @@
 Where the CPU has AVX512-BF16 and the weight tiles (out_features % 64 == 0, in_features even),
 the weight is packed for `linear_bf16_cpu.c`: a decode step's few rows stream the weights at
 25-40 GB/s there, where oneDNN's kernels reach 15-20, and a prefill's thousands of rows run
-within 10% of oneDNN. Elsewhere it is packed for oneDNN (`torch.ops.mkldnn._reorder_linear_weight`,
+0-14% behind oneDNN. Elsewhere it is packed for oneDNN (`torch.ops.mkldnn._reorder_linear_weight`,
 what inductor's CPU freezing does): `F.linear` on a bf16 CPU tensor would reorder the weight
 into oneDNN's layout on every call, reading each weight about three times.
 

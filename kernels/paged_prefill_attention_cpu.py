@@ -9,9 +9,8 @@ padded or copied. A sequence's K/V for one layer (768 B a token for SmolLM2) sta
 while its tokens are scored, so the quadratic reads are cache reads.
 
 Against SDPA per sequence (the previous form, `is_causal` or a bottom-right mask), on 30
-layers and 2 threads: 15 ShareGPT-like prompts (2407 tokens) bf16 1963 -> 461 ms, fp32
-1540 -> 821 ms; one 1024-token chunk after a 1024-token prefix bf16 3920 -> 2184 ms. (torch's
-CPU flash attention is slow in bf16 and at these short lengths.)
+layers and 2 threads: 15 ShareGPT-like prompts (2432 tokens) bf16 440 -> 199 ms, fp32 519 ->
+392 ms; one 1024-token chunk after a 1024-token prefix bf16 1118 -> 753 ms, fp32 2051 -> 1965.
 
 Same signature and numerics as `paged_prefill_attention_ref` (fp32 scores and softmax, as the
 decode kernel); fp16 caches, which the C kernel does not take, go to the reference.
