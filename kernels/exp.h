@@ -5,8 +5,9 @@
 #include <stdint.h>
 
 /* exp(x) for x <= 0 (a softmax's shifted scores, SiLU's e^-|x|), in a form the compiler
- * vectorizes (glibc's expf is a scalar call per element): e^x = 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, and 2^f by its Taylor
- * series to degree 6 (relative error < 2e-7, about 1 ulp). */
+ * vectorizes (glibc's expf is a scalar call per element): e^x = 2^n * 2^f with
+ * n = round(x log2 e), |f| <= 1/2, and 2^f by its Taylor series to degree 6 (relative error
+ * < 2e-7, about 1 ulp). */
 static inline float exp_nonpositive(float x) {
     float t = (x < -87.0f ? -87.0f : x) * 1.44269504088896341f;  /* 2^-126: still normal */
     float n = __builtin_rintf(t), y = (t - n) * 0.693147180559945309f;

@@ -6,9 +6,9 @@
  * 512 and 0-14% slower at a prefill's 2048: one packed copy of each weight serves every step.
  *
  * Packed layout (`pack` in packed_linear.py): W [N, K] -> [N / 64][K / 2][64][2], i.e. tiles of
- * 64 output columns (n % 64 == 0); within a tile, for each pair of inputs (k, k + 1), the 64 columns' two
- * weights side by side: one 64-byte row per register, the pairs `vdpbf16ps` multiplies. A tile
- * is one contiguous stream of K * 128 bytes.
+ * 64 output columns (N % 64 == 0); within a tile, for each pair of inputs (k, k + 1), the 64
+ * columns' two weights side by side: one 64-byte row per register, the pairs `vdpbf16ps`
+ * multiplies. A tile is one contiguous stream of K * 128 bytes.
  *
  * Each (row block, tile) work item keeps up to 6 rows x 64 columns of fp32 sums in 24 registers;
  * per input pair it loads the tile's 4 weight registers once and broadcasts each row's pair of
@@ -51,7 +51,9 @@
             for (int v = 0; v < TILE_VECS; v++)                                               \
                 wv[v] = (__m512bh)_mm512_loadu_si512(wp + 32 * v);                            \
             for (int r = 0; r < ROWS; r++) {                                                  \
-                __m512bh xr = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(x + r * k + 2 * p)); \
+                int32_t pair; /* x[r][2p], x[r][2p + 1] */                                    \
+                __builtin_memcpy(&pair, x + r * k + 2 * p, sizeof pair);                      \
+                __m512bh xr = (__m512bh)_mm512_set1_epi32(pair);                              \
                 for (int v = 0; v < TILE_VECS; v++)                                           \
                     acc[r][v] = _mm512_dpbf16_ps(acc[r][v], wv[v], xr);                       \
             }                                                                                 \

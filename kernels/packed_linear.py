@@ -79,7 +79,7 @@ def _linear_blocked(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
     rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, in_features).contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
     if rows.shape[0]:
-        _kernel()(rows.data_ptr(), packed.data_ptr(), bias if bias is None else bias.data_ptr(),
+        _kernel()(rows.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                   out.data_ptr(), rows.shape[0], out_features, in_features)
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out_features)
 
