@@ -20,7 +20,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.loader import load_weights
 from pdserve.engine.models import MODEL_CLASSES
-from pdserve.engine.models.parallel import TensorParallel, prepare_weights, weight_bytes
+from pdserve.engine.models.parallel import TensorParallel, weight_bytes
 from pdserve.engine.prompt_logprobs import compute_prompt_logprobs
 from pdserve.engine.sampler import (
     MIN_TEMPERATURE,
@@ -60,7 +60,7 @@ class ModelRunner:
         self.model = model_class(cfg, self.tp, self.ops, self.dtype, self.device)
         load_weights(self.model, cfg.path, cfg.quantization)
         # on the CPU backend: quantized linears packed for torch's ops, bf16 ones for their kernel
-        prepare_weights(self.model, pack=self.ops.name == "cpu")
+        self.model.prepare_weights(pack=self.ops.name == "cpu")
         self.weight_bytes = weight_bytes(self.model)
         self.model.eval()
         self.kv_caches = self._allocate_kv_caches()

@@ -1,11 +1,14 @@
 """Linear layers with their weights packed once at load: the CPU's bf16 matmuls.
 
-Where the CPU has AVX512-BF16 and the weight tiles (out_features % 64 == 0, in_features even),
-the weight is packed for `linear_bf16_cpu.c`: a decode step's few rows stream the weights at
-25-40 GB/s there, where oneDNN's kernels reach 15-20, and a prefill's thousands of rows run
-0-14% behind oneDNN. Elsewhere it is packed for oneDNN (`torch.ops.mkldnn._reorder_linear_weight`,
-what inductor's CPU freezing does): `F.linear` on a bf16 CPU tensor would reorder the weight
-into oneDNN's layout on every call, reading each weight about three times.
+Where the CPU has AVX512-BF16 or AVX2 and the weight tiles (out_features % `tile_cols()` == 0,
+in_features even), the weight is packed for `linear_bf16_cpu.c`. With AVX512-BF16 a decode
+step's few rows stream the weights at 25-40 GB/s, where oneDNN's kernels reach 15-20, and a
+prefill's thousands of rows run 0-14% behind oneDNN. With AVX2 alone (no bf16 instructions)
+torch's bf16 matmul falls back to a reference loop (0.8 GFLOP/s on 2 Zen 3 cores) where this
+runs at 90-140. Elsewhere the weight is packed for oneDNN
+(`torch.ops.mkldnn._reorder_linear_weight`, what inductor's CPU freezing does): `F.linear` on a
+bf16 CPU tensor would reorder the weight into oneDNN's layout on every call, reading each
+weight about three times.
 
 Either way the layer keeps one copy of its weight, in the packed form only.
 fp32 keeps `F.linear` (MKL): the exact-parity path, token-identical to transformers.
@@ -21,18 +24,24 @@ import torch.nn.functional as F
 from pdserve.kernels import native
 
 BATCH_HINT = 32  # rows oneDNN tunes its packed layout for; any row count runs on it
-TILE_COLS = 64  # output columns per tile of the blocked layout (linear_bf16_cpu.c)
 
 
 def _kernel():
-    return native.function("linear_bf16_cpu", "linear_bf16", (native.PTR,) * 4 + (native.I64,) * 3)
+    return native.function("linear_bf16_cpu", "linear_bf16", (native.PTR,) * 4 + (native.I64,) * 3,
+                           native.INT)
 
 
 @functools.cache
+def tile_cols() -> int:
+    """Output columns per tile of `linear_bf16_cpu.c`'s layout on this CPU (64 with
+    AVX512-BF16, 16 with AVX2), 0 where it does not run (not built, or neither present)."""
+    cols = native.function("linear_bf16_cpu", "linear_bf16_tile_cols", (), native.INT)
+    return cols() if cols is not None else 0
+
+
 def blocked_available() -> bool:
-    """Whether this CPU runs `linear_bf16_cpu.c` (built, and AVX512-BF16 present)."""
-    supported = native.function("linear_bf16_cpu", "linear_bf16_supported", (), native.INT)
-    return supported is not None and bool(supported())
+    """Whether this CPU runs `linear_bf16_cpu.c`."""
+    return tile_cols() > 0
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -45,11 +54,13 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """The weight ([out, in]) in its kernel's layout: blocked ([out / 64, in / 2, 64, 2], a plain
-    tensor) for `linear_bf16_cpu.c`, else an opaque mkldnn tensor for oneDNN."""
+    """The weight ([out, in]) in its kernel's layout: blocked ([out / c, in / 2, c, 2] for c =
+    `tile_cols()`, a plain tensor) for `linear_bf16_cpu.c`, else an opaque mkldnn tensor for
+    oneDNN."""
     if _fits_blocked(weight):
         out_features, in_features = weight.shape
-        tiles = weight.reshape(out_features // TILE_COLS, TILE_COLS, in_features // 2, 2)
+        cols = tile_cols()
+        tiles = weight.reshape(out_features // cols, cols, in_features // 2, 2)
         return tiles.permute(0, 2, 1, 3).contiguous()
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), BATCH_HINT)
 
@@ -78,15 +89,16 @@ def _linear_blocked(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
         raise ValueError(f"linear: bias must be contiguous bfloat16 [{out_features}]")
     rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, in_features).contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
-    if rows.shape[0]:
-        _kernel()(rows.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                  out.data_ptr(), rows.shape[0], out_features, in_features)
+    if rows.shape[0] and _kernel()(rows.data_ptr(), packed.data_ptr(),
+                                   None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                   rows.shape[0], out_features, in_features):
+        raise MemoryError("linear: out of memory for the input rows")
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out_features)
 
 
 def _fits_blocked(weight: torch.Tensor) -> bool:
     out_features, in_features = weight.shape
-    return out_features % TILE_COLS == 0 and in_features % 2 == 0 and blocked_available()
+    return blocked_available() and out_features % tile_cols() == 0 and in_features % 2 == 0
 
 
 def _onednn_bf16() -> bool:

@@ -13,13 +13,16 @@ import torch
 
 from pdserve.engine.attention import Attention, AttentionMetadata
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.models.cpu_layers import CpuDecoderLayers
 from pdserve.engine.models.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     TensorParallel,
     VocabParallelEmbedding,
+    prepare_weights,
 )
 from pdserve.engine.models.rope import rope_tables
+from pdserve.kernels import decoder_layer_cpu
 from pdserve.kernels.registry import KernelBackend
 
 
@@ -97,6 +100,19 @@ class LlamaDecoderLayer(torch.nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    def prepare_cpu(self) -> decoder_layer_cpu.PreparedLayer | None:
+        """This layer's packed weights bound for `decoder_layer_cpu` (None: they do not fit)."""
+        attn, mlp = self.self_attn, self.mlp
+        if any(lin.quantized is not None for lin in (attn.qkv_proj, attn.o_proj,
+                                                     mlp.gate_up_proj, mlp.down_proj)):
+            return None
+        return decoder_layer_cpu.prepare_layer(
+            self.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
+            attn.o_proj.weight, self.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
+            mlp.down_proj.weight, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            self.input_layernorm.eps,
+        )
+
 
 class LlamaForCausalLM(torch.nn.Module):
     """Also serves Qwen2ForCausalLM and MistralForCausalLM (same graph, config-driven)."""
@@ -122,6 +138,16 @@ class LlamaForCausalLM(torch.nn.Module):
             cfg.rope_parameters, cfg.head_dim, cfg.max_position_embeddings,
             cfg.max_model_len, device,
         )
+        self.cpu_layers: CpuDecoderLayers | None = None  # see prepare_weights
+        self.tp = tp
+
+    def prepare_weights(self, pack: bool) -> None:
+        """After loading: every linear in its serving form (`parallel.prepare_weights`); on the
+        CPU backend (`pack`) also the decoder layers' one-call form where their weights fit it
+        (bf16, blocked; engine.models.cpu_layers), the module path serving the rest."""
+        prepare_weights(self, pack)
+        if pack:
+            self.cpu_layers = CpuDecoderLayers.build(self.layers, self.rope, self.tp)
 
     def forward(
         self,
@@ -133,6 +159,9 @@ class LlamaForCausalLM(torch.nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         """`layer_hook(i)` runs once layer i's K/V are in the cache (KV push overlaps compute)."""
         hidden, residual = self.embed_tokens(input_ids), None
+        if self.cpu_layers is not None and self.cpu_layers.takes(kv_caches):
+            hidden, residual = self.cpu_layers(hidden, positions, kv_caches, meta, layer_hook)
+            return self.norm(hidden, residual)[0]
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             hidden, residual = layer(hidden, residual, positions, self.rope, kv_cache, meta)
             if layer_hook is not None:

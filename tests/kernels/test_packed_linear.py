@@ -1,5 +1,5 @@
-"""Linears on weights packed once (kernels.packed_linear: the blocked AVX512-BF16 kernel, or
-oneDNN's layout) against F.linear."""
+"""Linears on weights packed once (kernels.packed_linear: the blocked kernel, on AVX512-BF16 or
+AVX2, or oneDNN's layout) against F.linear."""
 
 from __future__ import annotations
 
@@ -12,28 +12,34 @@ from pdserve import LLM, SamplingParams
 from pdserve.kernels import packed_linear
 
 blocked = pytest.mark.skipif(not packed_linear.blocked_available(),
-                             reason="this CPU lacks AVX512-BF16: oneDNN packs every weight")
+                             reason="this CPU has neither AVX512-BF16 nor AVX2: no blocked kernel")
+onednn_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 32, 96, 97, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("out_features", [192, 200], ids=["tiles-by-64", "onednn"])
+@pytest.mark.parametrize("out_features", [192, 200], ids=["tiled", "untiled"])
 def test_packed_matches_f_linear(rows, with_bias, out_features):
-    """192 output columns tile by 64: the blocked kernel where the CPU has AVX512-BF16; 200 do
-    not: oneDNN's layout. The blocked kernel also agrees closely with oneDNN on the same
-    weight (both sum in fp32 and round once)."""
+    """192 output columns tile by 64 and by 16: the blocked kernel where the CPU runs it (tiles
+    of 64 with AVX512-BF16, 16 with AVX2); 200 tile by neither: oneDNN's layout where oneDNN
+    has bf16 kernels, else the plain weight (F.linear). The blocked kernel also agrees closely
+    with oneDNN on the same weight (both sum in fp32 and round once)."""
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(out_features, 80, generator=gen).bfloat16()
     b = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None
     x = torch.randn(rows, 80, generator=gen).bfloat16()
-    assert packed_linear.can_pack(w)
-    packed = packed_linear.pack(w)
-    blocked = out_features % 64 == 0 and packed_linear.blocked_available()
-    assert packed.shape == (3, 40, 64, 2) if blocked else packed.is_mkldnn
+    cols = packed_linear.tile_cols()
+    blocked = bool(cols) and out_features % cols == 0
+    assert packed_linear.can_pack(w) == (blocked or onednn_bf16)
+    packed = packed_linear.pack(w) if blocked or onednn_bf16 else w
+    if blocked:
+        assert packed.shape == (out_features // cols, 40, cols, 2)
+    else:
+        assert packed.is_mkldnn == onednn_bf16
     out = packed_linear.linear(x, packed, b)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
     assert rel_err(out, F.linear(x.float(), w.float(), None if b is None else b.float())) < 1e-2
-    if blocked:
+    if blocked and onednn_bf16:
         onednn = torch.ops.mkldnn._reorder_linear_weight(w, 32)
         assert rel_err(out, packed_linear.linear(x, onednn, b)) < 5e-3
 

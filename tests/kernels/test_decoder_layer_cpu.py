@@ -1,0 +1,153 @@
+"""A bf16 decoder layer as one C call per step (kernels.decoder_layer_cpu, through
+engine.models.cpu_layers) against the model's modules: the same kernels in the same order, so
+hidden states and K/V caches must be bit-identical, on mixed steps (decodes beside a prefill
+chunk after a cached prefix), with QKV bias (Qwen2), split in halves under tensor parallelism,
+and a bad slot must fail before any K/V is written."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pdserve.engine.config import CacheConfig, EngineConfig, load_model_config
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.models.parallel import TensorParallel
+from pdserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from pdserve.kernels import decoder_layer_cpu
+
+pytestmark = pytest.mark.skipif(not decoder_layer_cpu.available(),
+                                reason="no blocked bf16 linear here (neither AVX512-BF16 nor AVX2)")
+
+PROMPT_A = tuple(range(100, 137))  # 37 tokens: 3 blocks of 16
+PROMPT_B = tuple(range(300, 345))  # 45 tokens, computed in two chunks of 20 and 25
+
+
+def make_runner(model_dir, tp: TensorParallel | None = None, threads: int = 2) -> ModelRunner:
+    config = EngineConfig(
+        model=load_model_config(model_dir, dtype="bfloat16", max_model_len=256),
+        cache=CacheConfig(block_size=16, num_blocks=32), num_threads=threads,
+        kernel_backend="cpu",
+    )
+    return ModelRunner(config, tp)
+
+
+def entry(rid: str, tokens: tuple[int, ...], start: int, blocks: tuple[int, ...]):
+    return ScheduledRequest(rid, tokens, start, blocks, None)
+
+
+# step 1: A's whole prompt and B's first chunk; step 2: A decodes, B's second chunk
+A_BLOCKS, B_BLOCKS = (5, 2, 9), (1, 7, 3)
+STEPS = (
+    SchedulerOutput((entry("a", PROMPT_A, 0, A_BLOCKS), entry("b", PROMPT_B[:20], 0, B_BLOCKS))),
+    SchedulerOutput((entry("a", (7,), 37, A_BLOCKS), entry("b", PROMPT_B[20:], 20, B_BLOCKS))),
+)
+
+
+def forward(runner: ModelRunner, plan: SchedulerOutput) -> torch.Tensor:
+    input_ids, positions, meta, _ = runner._prepare(plan)
+    with torch.inference_mode():
+        return runner.model(input_ids, positions, runner.kv_caches, meta)
+
+
+def run_both(model_dir, tp=None, threads=2):
+    """(hidden states per step, caches) through the C layers, then through the modules, and
+    the runner."""
+    runner = make_runner(model_dir, tp, threads)
+    assert runner.model.cpu_layers is not None
+    fused = [forward(runner, plan) for plan in STEPS]
+    fused_caches = [tuple(t.clone() for t in pair) for pair in runner.kv_caches]
+    for pair in runner.kv_caches:
+        for t in pair:
+            t.fill_(float("nan"))  # what the modules do not write stays NaN and fails equal
+    runner.model.cpu_layers = None
+    modules = [forward(runner, plan) for plan in STEPS]
+    return fused, fused_caches, modules, runner
+
+
+def written(cache: torch.Tensor, runner: ModelRunner) -> torch.Tensor:
+    """The cache rows the steps wrote (the slots of every token of both steps)."""
+    slots = torch.cat([runner._prepare(plan)[2].slot_mapping for plan in STEPS])
+    return cache.flatten(0, 1)[slots]
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_one_call_per_layer_is_bit_identical_to_the_modules(model, request):
+    fused, fused_caches, modules, runner = run_both(request.getfixturevalue(model))
+    for f, m in zip(fused, modules):
+        assert f.dtype == torch.bfloat16 and not f.isnan().any()
+        assert torch.equal(f, m)
+    for f_pair, m_pair in zip(fused_caches, runner.kv_caches):
+        for f, m in zip(f_pair, m_pair):
+            assert not written(m, runner).isnan().any()
+            assert torch.equal(written(f, runner), written(m, runner))
+
+
+def test_halves_are_the_whole_layer(tiny_llama_dir):
+    """ATTENTION then MLP (the calls a TP rank makes, all-reduce between) = both at once."""
+    runner = make_runner(tiny_llama_dir)
+    layers = runner.model.cpu_layers
+    whole = forward(runner, STEPS[0])
+    layers.parts = (decoder_layer_cpu.ATTENTION, decoder_layer_cpu.MLP)
+    assert torch.equal(forward(runner, STEPS[0]), whole)
+
+
+def test_a_slot_past_the_cache_fails_before_writing(tiny_llama_dir):
+    runner = make_runner(tiny_llama_dir)
+    input_ids, positions, meta, _ = runner._prepare(STEPS[0])
+    bad = meta.slot_mapping.clone()
+    bad[-1] = 32 * 16  # one past the last slot
+    before = [t.clone() for t in runner.kv_caches[0]]
+    from dataclasses import replace
+    with pytest.raises(IndexError, match="past the cache"), torch.inference_mode():
+        runner.model(input_ids, positions, runner.kv_caches, replace(meta, slot_mapping=bad))
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches[0]))
+
+
+def test_int8_caches_and_quantized_weights_keep_the_modules(tiny_llama_dir):
+    runner = make_runner(tiny_llama_dir)
+    int8 = [tuple(t.to(torch.int8) for t in pair) + pair for pair in runner.kv_caches]
+    assert runner.model.cpu_layers.takes(runner.kv_caches)
+    assert not runner.model.cpu_layers.takes(int8)
+    config = EngineConfig(
+        model=load_model_config(tiny_llama_dir, dtype="bfloat16", max_model_len=256,
+                                quantization="int8"),
+        cache=CacheConfig(block_size=16, num_blocks=32), num_threads=1, kernel_backend="cpu",
+    )
+    assert ModelRunner(config).model.cpu_layers is None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp_rank(rank, port, model_dir, results):
+    try:
+        store = dist.TCPStore("127.0.0.1", port, None, rank == 0, wait_for_workers=False)
+        group = dist.ProcessGroupGloo(dist.PrefixStore("tp", store), rank, 2,
+                                      datetime.timedelta(seconds=60))
+        fused, _, modules, _ = run_both(model_dir, TensorParallel(rank, 2, group), threads=1)
+        results.put((rank, all(torch.equal(f, m) for f, m in zip(fused, modules))))
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+
+
+def test_tensor_parallel_halves_match_the_modules(tiny_llama_dir):
+    """Two real ranks (gloo): each layer as two calls with the all-reduce between."""
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_tp_rank, args=(r, port, tiny_llama_dir, results))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    outcome = dict(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert outcome == {0: True, 1: True}
