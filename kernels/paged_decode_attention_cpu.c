@@ -130,6 +130,27 @@ static inline void next_rows(RowWalk *w, int64_t t0, int dtype, int64_t kv_dim, 
     }
 }
 
+/* Tokens ahead of the scores pass whose key and value rows it asks for (into L2, where the
+ * values pass finds them too): blocks lie anywhere in the cache, so the hardware prefetchers
+ * lose the stream at every block boundary. */
+#define AHEAD_TOKENS 32
+
+/* Asks for the rows of the walk's tokens up to `until` (keys through `w`, the values at the
+ * same offsets in `v_cache`); `w` is a walk of its own, ahead of the one that reads. */
+static inline void ask_ahead(RowWalk *w, const char *v_cache, int64_t *asked, int64_t until) {
+    for (; *asked < until && *asked < w->len; (*asked)++) {
+        if (w->in_block == w->block_size) {
+            w->block = w->cache + (int64_t)w->table[w->next_block++] * w->block_bytes;
+            w->in_block = 0;
+        }
+        const char *k = w->block + w->in_block++ * w->token_bytes, *v = v_cache + (k - w->cache);
+        for (int64_t b = 0; b < w->token_bytes; b += 64) {
+            __builtin_prefetch(k + b, 0, 1);
+            __builtin_prefetch(v + b, 0, 1);
+        }
+    }
+}
+
 /* One sequence, every head: each cached token row (all KV heads, contiguous) is read once.
  * Always inlined, so the call sites below that pass a literal head_dim get loops of known
  * length (fully unrolled, no remainder code): the common head sizes run ~2x faster. */
@@ -141,8 +162,9 @@ static inline __attribute__((always_inline)) void attend_one(const char *q, cons
     int64_t kv_dim = num_kv_heads * head_dim, token_bytes = kv_dim * elem;
     RowWalk keys = {k_cache, NULL, NULL, table, block_size, block_size * token_bytes,
                     token_bytes, 0, block_size, len};
-    RowWalk values = keys;
+    RowWalk values = keys, ahead = keys;
     values.cache = v_cache;
+    int64_t asked = 0;
     load_row(q, dtype, num_heads * head_dim, scale, qf);
     /* Tokens go SCORE_TOKENS at a time where head_dim is a multiple of 16, else UNROLL: each
      * query head is loaded once per group for the dots, each accumulator once per group for
@@ -150,6 +172,7 @@ static inline __attribute__((always_inline)) void attend_one(const char *q, cons
     int64_t t0 = 0;
     if (head_dim % 16 == 0) {
         for (; t0 < len; t0 += SCORE_TOKENS) {
+            ask_ahead(&ahead, v_cache, &asked, t0 + SCORE_TOKENS + AHEAD_TOKENS);
             for (int u = 0; u < SCORE_TOKENS; u += UNROLL)
                 next_rows(&keys, t0 + u, dtype, kv_dim, row + u * kv_dim);
             for (int64_t h = 0; h < num_heads; h++) {
@@ -159,6 +182,7 @@ static inline __attribute__((always_inline)) void attend_one(const char *q, cons
         }
     }
     for (; t0 < len; t0 += UNROLL) {
+        ask_ahead(&ahead, v_cache, &asked, t0 + UNROLL + AHEAD_TOKENS);
         next_rows(&keys, t0, dtype, kv_dim, row);
         for (int64_t h = 0; h < num_heads; h++) {
             const float *qh = qf + h * head_dim, *kh = row + (h / group) * head_dim;
