@@ -93,7 +93,7 @@ static const tile_fn TILES[MAX_ROWS + 1] = {0, tile_1, tile_2, tile_3, tile_4, t
  * low half masked off is weight 2p + 1. The input rows are widened to fp32 once per call
  * (`x_rows`), so each input is one broadcast load. Up to 4 rows x 16 columns of sums stay in 8
  * registers. torch's bf16 matmul has no AVX2 kernel (0.8 GFLOP/s on 2 Zen 3 cores here); this
- * runs at 115-140 GFLOP/s there, where MKL's fp32 GEMM reaches 104 and the FMAs 178. */
+ * runs at 90-140 GFLOP/s there (noisy host), where MKL's fp32 GEMM reaches 104 and the FMAs 178. */
 #include <immintrin.h>
 
 #define TILE_COLS 16
@@ -122,7 +122,7 @@ static inline __m128i to_bf16x8(__m256 v) {
 }
 
 /* The register-sized loops below are unrolled whole, so their sums stay in registers (GCC
- * otherwise keeps a copy of the array in memory, updated on every pair: 1.4x slower). */
+ * otherwise keeps a copy of the array in memory, updated on every pair: 1.4-1.7x slower). */
 #define UNROLLED _Pragma("GCC unroll 8")
 
 /* ROWS rows of x (fp32) against one tile (16 columns of y, bias). */
@@ -175,7 +175,7 @@ static float *x_rows(const uint16_t *x, int64_t m, int64_t k) {
 #if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
 
 /* Output columns per work item: 128 bytes of each row of y, whole cache lines, so that no two
- * threads write the same line (16-column tiles apart: 1.4x slower at 2048 rows on AVX2). */
+ * threads write to the same line of y (AVX2's tiles are 16 columns: four per item). */
 #define ITEM_COLS 64
 
 int linear_bf16_supported(void) { return 1; }
@@ -183,8 +183,8 @@ int linear_bf16_supported(void) { return 1; }
 /* Output columns per tile of the packed layout on this CPU (packed_linear.py packs by it). */
 int linear_bf16_tile_cols(void) { return TILE_COLS; }
 
-/* y [m, n] = x [m, k] . W [n, k]^T (+ bias [n] or NULL); w packed as above, n % 64 == 0 and
- * k even (the wrapper checks). 0, or -1 if out of memory (nothing written). */
+/* y [m, n] = x [m, k] . W [n, k]^T (+ bias [n] or NULL); w packed as above, n % TILE_COLS == 0
+ * and k even (the wrapper checks). 0, or -1 if out of memory (nothing written). */
 int linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                 int64_t m, int64_t n, int64_t k) {
 #if X_FP32
