@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.models.parallel import TensorParallel
-from pdserve.kernels import decoder_layer_cpu as native
+from pdserve.kernels import decoder_layer_cpu
 from pdserve.kernels.decoder_layer_cpu import ATTENTION, MLP, DecoderStep, PreparedLayer
 
 
@@ -40,7 +40,7 @@ class CpuDecoderLayers:
               tp: TensorParallel) -> CpuDecoderLayers | None:
         """`layers`: the model's decoder layers (each with `prepare_cpu()`); None if any of
         them, or the RoPE tables, do not fit the C path."""
-        if not native.available() or not layers:
+        if not decoder_layer_cpu.available() or not layers:
             return None
         prepared = [layer.prepare_cpu() for layer in layers]
         if any(p is None for p in prepared):
@@ -73,7 +73,8 @@ class CpuDecoderLayers:
                            num_blocks * block_size)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             for part in self.parts:
-                native.decoder_layer_cpu(layer, step, k_cache, v_cache, part, first=i == 0)
+                decoder_layer_cpu.decoder_layer_cpu(layer, step, k_cache, v_cache, part,
+                                                    first=i == 0)
                 if self.tp.size > 1:
                     self.tp.all_reduce(step.hidden)
             if layer_hook is not None:

@@ -10,6 +10,7 @@ import datetime
 import multiprocessing as mp
 import socket
 import traceback
+from dataclasses import replace
 
 import pytest
 import torch
@@ -103,7 +104,6 @@ def test_a_slot_past_the_cache_fails_before_writing(tiny_llama_dir):
     bad = meta.slot_mapping.clone()
     bad[-1] = 32 * 16  # one past the last slot
     before = [t.clone() for t in runner.kv_caches[0]]
-    from dataclasses import replace
     with pytest.raises(IndexError, match="past the cache"), torch.inference_mode():
         runner.model(input_ids, positions, runner.kv_caches, replace(meta, slot_mapping=bad))
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches[0]))
