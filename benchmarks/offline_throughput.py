@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(roofline.describe(step))
     print(roofline.describe_compute(compute))
     report = {
-        "cpu": _cpu_kind(),
+        "cpu": roofline.cpu_kind(),
         "roofline": step,
         "compute_floor": compute,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -275,24 +275,7 @@ def _print_workload(args: argparse.Namespace, reqs: list[BenchRequest]) -> None:
         f"{sum(out_lens)} (median {out_lens[len(reqs) // 2]}, max {out_lens[-1]}); "
         f"threads {args.threads} (torch.set_num_threads in each child); cpus {os.cpu_count()}"
     )
-    print(f"cpu: {_cpu_kind()}")
-
-
-def _cpu_kind() -> str:
-    """The CPU and which bf16 matmul pdserve runs on it: hosts differ between runs, and the
-    instruction set decides most of the numbers (a bf16 linear is ~100x slower without a
-    kernel for it)."""
-    import torch
-
-    from pdserve.kernels import packed_linear
-
-    with open("/proc/cpuinfo") as f:
-        name = next((line.split(":", 1)[1].strip() for line in f
-                     if line.startswith("model name")), "unknown")
-    cols = packed_linear.tile_cols()
-    linear = {64: "pdserve's AVX512-BF16 kernel", 16: "pdserve's AVX2 kernel"}.get(
-        cols, "oneDNN" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "torch's reference")
-    return f"{name}; bf16 linears: {linear}; torch sees {torch.backends.cpu.get_cpu_capability()}"
+    print(f"cpu: {roofline.cpu_kind()}")
 
 
 def _print_notes(args: argparse.Namespace, results: list[dict]) -> None:

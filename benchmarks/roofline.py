@@ -82,6 +82,23 @@ def describe(r: dict) -> str:
             f"at {r['bandwidth_gbs']:.1f} GB/s read) -> {r['roofline_pct']:.0f}% of roofline")
 
 
+def cpu_kind() -> str:
+    """The CPU and which bf16 matmul pdserve runs on it: hosts differ between runs, and the
+    instruction set decides most of the numbers (a bf16 linear is ~100x slower without a
+    kernel for it)."""
+    import torch
+
+    from pdserve.kernels import packed_linear
+
+    with open("/proc/cpuinfo") as f:
+        name = next((line.split(":", 1)[1].strip() for line in f
+                     if line.startswith("model name")), "unknown")
+    cols = packed_linear.tile_cols()
+    linear = {64: "pdserve's AVX512-BF16 kernel", 16: "pdserve's AVX2 kernel"}.get(
+        cols, "oneDNN" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "torch's reference")
+    return f"{name}; bf16 linears: {linear}; torch sees {torch.backends.cpu.get_cpu_capability()}"
+
+
 GEMM_SIZE = 1024
 
 
