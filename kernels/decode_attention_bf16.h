@@ -29,6 +29,8 @@
 #define BF16_PATH 1
 #define MAX_DIM_VECS 8 /* head_dim <= 256: up to 8 vectors of 32 bf16 */
 #define MAX_GROUP 8     /* query heads per KV head */
+#define BF16_DIM_STEP 32 /* head_dim: a multiple of 32 */
+#define BF16_MAX_DIM (32 * MAX_DIM_VECS)
 
 /* Rows of one KV head, token by token through the block table (no division per token). */
 typedef struct {

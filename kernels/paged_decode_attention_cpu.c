@@ -14,7 +14,9 @@
  *
  * bf16 caches on a CPU with AVX512-BF16, head sizes a multiple of 32 and up to 8 query heads
  * per KV head take `decode_attention_bf16.h` instead: bf16 dot products, no conversion, rows
- * asked for ahead of use (1.2-1.4x per step's attention).
+ * asked for ahead of use (1.2-1.4x per step's attention). On a CPU with AVX2 and FMA but not
+ * AVX512-BF16, bf16 caches with head sizes a multiple of 16 take `decode_attention_bf16_avx2.h`
+ * (widened in registers; a prefill chunk's positions 4 to a work item).
  *
  * Layouts (element strides; the Python wrapper checks them):
  *   q        [num_seqs, num_heads, head_dim]   token stride q_stride, head stride head_dim
@@ -85,6 +87,7 @@ static inline float exp_shifted(float *s, int64_t len, int64_t tail) {
 }
 
 #include "decode_attention_bf16.h" /* uses sum16 and exp_shifted above */
+#include "decode_attention_bf16_avx2.h" /* exp_shifted */
 
 /* dst[0:n] = src[0:n] * mul, as fp32. */
 static inline void load_row(const void *src, int dtype, int64_t n, float mul, float *dst) {
@@ -246,7 +249,8 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
     int64_t q_dim = num_heads * head_dim, kv_dim = num_kv_heads * head_dim;
     int failed = 0;
 #ifdef BF16_PATH
-    if (dtype == 1 && head_dim % 32 == 0 && head_dim <= 32 * MAX_DIM_VECS && group <= MAX_GROUP)
+    if (dtype == 1 && head_dim % BF16_DIM_STEP == 0 && head_dim <= BF16_MAX_DIM &&
+        group <= MAX_GROUP)
         return attend_bf16(q, q_stride, k_cache, v_cache, block_tables, table_stride,
                            context_lens, out, num_seqs, num_heads, num_kv_heads, head_dim,
                            block_size, max_context, scale);

@@ -2,7 +2,8 @@
 
 A prefill chunk's token at position p of its sequence attends to that sequence's cached keys
 0 .. p, which is exactly a decode query with context length p + 1. So the chunk runs on the
-decode kernel (`paged_decode_attention_cpu.c`), one work item per query token, each reading
+decode kernel (`paged_decode_attention_cpu.c`), one work item per query token (on AVX2 CPUs
+with bf16 caches, per 4 consecutive positions, which share each key row's read), each reading
 its sequence's blocks in place through the sequence's block table: causal by construction,
 a cached prefix needs no mask, GQA heads share one read of each KV row, and nothing is
 padded or copied. A sequence's K/V for one layer (768 B a token for SmolLM2) stays in L2

@@ -63,6 +63,29 @@ def test_strided_query_int64_tables_and_threads():
     assert rel_err(outs[0], _ref(case, q)) < BOUND[torch.bfloat16]
 
 
+def test_runs_of_positions_match_each_query_alone():
+    """Consecutive positions of one sequence share a work item (a prefill chunk's tokens, 4 to
+    a tile on AVX2): runs of 7 and 2, a position that follows on in length but in another
+    sequence whose table shares only the first block (it must not join), and one that shares
+    every block it reads (it may). Each output equals that query run alone, and the reference."""
+    case = make_case([64, 64], 16, 3, 64, torch.bfloat16, seed=11)
+    a, b = case.block_tables[0], case.block_tables[1].clone()
+    b[0] = a[0]  # b's first 16 tokens are a's (a shared prefix block)
+    items = [(a, n) for n in range(17, 24)] + [(b, 24), (b, 25), (a, 5), (b, 3), (a, 4)]
+    tables = torch.stack([t for t, _ in items])
+    lens = torch.tensor([n for _, n in items], dtype=torch.int32)
+    q = torch.randn(len(items), 9, 64).bfloat16()
+    out = paged_decode_attention_cpu(q, case.k_cache, case.v_cache, tables, lens, 0.125)
+    for i in range(len(items)):
+        alone = paged_decode_attention_cpu(q[i:i + 1], case.k_cache, case.v_cache,
+                                           tables[i:i + 1], lens[i:i + 1], 0.125)
+        assert torch.equal(out[i], alone[0]), i
+    c = finite(case)
+    expected = paged_decode_attention_ref(q.float(), c.k_cache.float(), c.v_cache.float(),
+                                          tables, lens, 0.125)
+    assert rel_err(out, expected) < BOUND[torch.bfloat16]
+
+
 def test_rejects_bad_inputs():
     case = make_case([5], 16, 2, 64, torch.float32)
     with pytest.raises(ValueError, match="does not match the cache's heads"):
