@@ -45,12 +45,24 @@ def run_pdserve(reqs: list[BenchRequest], warm: list[BenchRequest], opts: dict) 
     return run
 
 
+def hf_dtype(requested: str, dtype: str) -> str:
+    """transformers' dtype: `requested`, or for "auto" every system's, except bf16 where torch
+    has no bf16 matmul kernel (no oneDNN bf16: on AVX2-only CPUs a 0.8 GFLOP/s reference loop,
+    about an hour for the default workload): there float32, what a transformers user runs."""
+    if requested != "auto":
+        return requested
+    import torch
+
+    fast = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return "float32" if dtype == "bfloat16" and not fast else dtype
+
+
 def _load_hf(opts: dict) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(opts["model_path"],
-                                                 dtype=getattr(torch, opts["dtype"]))
+                                                 dtype=getattr(torch, opts["hf_dtype"]))
     model.eval()
     model.generation_config.eos_token_id = None  # ignore_eos: never a stopping criterion
     model.generation_config.pad_token_id = PAD_TOKEN_ID

@@ -180,6 +180,7 @@ def _options(args: argparse.Namespace, reqs: list[BenchRequest]) -> dict:
         "model_path": str(path),
         "vocab_size": hf["vocab_size"],
         "dtype": dtype,
+        "hf_dtype": systems.hf_dtype(args.hf_dtype, dtype),
         "threads": args.threads,
         "hf_batch_size": args.hf_batch_size,
         "hf_sort": args.hf_sort,
@@ -209,6 +210,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hf-batch-size", type=int, default=16, help="static batch for generate")
     p.add_argument("--hf-sort", action="store_true", help="sort generate's batches by length")
     p.add_argument("--skip-hf", action="store_true", help="run pdserve only")
+    p.add_argument("--hf-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="transformers' (auto: --dtype's, float32 where torch has no bf16 kernel)")
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="pdserve's and CB's KV")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -247,11 +250,14 @@ def main(argv: list[str] | None = None) -> dict:
     print()
     _print_table(results)
     _print_notes(args, results)
+    if not args.skip_hf:
+        print(f"transformers ran in {opts['hf_dtype']}, the others in {opts['dtype']}.")
     agreement = agreement_of.report(results)
     print(roofline.describe(step))
     print(roofline.describe_compute(compute))
     report = {
         "cpu": roofline.cpu_kind(),
+        "dtype": {"pdserve": opts["dtype"], "transformers": opts["hf_dtype"]},
         "roofline": step,
         "compute_floor": compute,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
