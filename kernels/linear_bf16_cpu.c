@@ -46,7 +46,7 @@ typedef uint16_t row_t;
     static void tile_##ROWS(const uint16_t *x, int64_t k, const uint16_t *w,                  \
                             const uint16_t *bias, uint16_t *y, int64_t n,                     \
                             const uint16_t *ahead) {                                          \
-        (void)ahead; /* one pass streams a tile at the memory's rate here (unmeasured) */    \
+        (void)ahead; /* the AVX2 path asks for the next tile; here that is unmeasured */      \
         __m512 acc[ROWS][TILE_VECS];                                                          \
         for (int v = 0; v < TILE_VECS; v++) {                                                 \
             __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(                          \
