@@ -51,10 +51,9 @@ def hf_dtype(requested: str, dtype: str) -> str:
     about an hour for the default workload): there float32, what a transformers user runs."""
     if requested != "auto":
         return requested
-    import torch
+    from pdserve.kernels.packed_linear import onednn_bf16
 
-    fast = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return "float32" if dtype == "bfloat16" and not fast else dtype
+    return "float32" if dtype == "bfloat16" and not onednn_bf16() else dtype
 
 
 def _load_hf(opts: dict) -> Any:

@@ -95,7 +95,7 @@ def cpu_kind() -> str:
                      if line.startswith("model name")), "unknown")
     cols = packed_linear.tile_cols()
     linear = {64: "pdserve's AVX512-BF16 kernel", 16: "pdserve's AVX2 kernel"}.get(
-        cols, "oneDNN" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "torch's reference")
+        cols, "oneDNN" if packed_linear.onednn_bf16() else "torch's reference")
     return f"{name}; bf16 linears: {linear}; torch sees {torch.backends.cpu.get_cpu_capability()}"
 
 

@@ -49,7 +49,7 @@ def can_pack(weight: torch.Tensor) -> bool:
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
         and weight.dim() == 2
-        and (_fits_blocked(weight) or _onednn_bf16())
+        and (_fits_blocked(weight) or onednn_bf16())
     )
 
 
@@ -101,5 +101,6 @@ def _fits_blocked(weight: torch.Tensor) -> bool:
     return blocked_available() and out_features % tile_cols() == 0 and in_features % 2 == 0
 
 
-def _onednn_bf16() -> bool:
+def onednn_bf16() -> bool:
+    """Whether torch's bf16 linear has a oneDNN kernel here (none on AVX2-only CPUs)."""
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()

@@ -13,7 +13,7 @@ from pdserve.kernels import packed_linear
 
 blocked = pytest.mark.skipif(not packed_linear.blocked_available(),
                              reason="this CPU has neither AVX512-BF16 nor AVX2: no blocked kernel")
-onednn_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+onednn_bf16 = packed_linear.onednn_bf16()
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 32, 96, 97, 300])
