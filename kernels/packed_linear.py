@@ -21,7 +21,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import native
+from pdserve.kernels import huge_pages, native
 
 BATCH_HINT = 32  # rows oneDNN tunes its packed layout for; any row count runs on it
 
@@ -53,16 +53,25 @@ def can_pack(weight: torch.Tensor) -> bool:
     )
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
+def pack(weight: torch.Tensor, memory: huge_pages.Arena | None = None) -> torch.Tensor:
     """The weight ([out, in]) in its kernel's layout: blocked ([out / c, in / 2, c, 2] for c =
-    `tile_cols()`, a plain tensor) for `linear_bf16_cpu.c`, else an opaque mkldnn tensor for
-    oneDNN."""
+    `tile_cols()`, a plain tensor, taken from `memory` where given) for `linear_bf16_cpu.c`,
+    else an opaque mkldnn tensor for oneDNN."""
     if _fits_blocked(weight):
         out_features, in_features = weight.shape
         cols = tile_cols()
-        tiles = weight.reshape(out_features // cols, cols, in_features // 2, 2)
-        return tiles.permute(0, 2, 1, 3).contiguous()
+        tiles = weight.reshape(out_features // cols, cols, in_features // 2, 2).permute(0, 2, 1, 3)
+        if memory is None:
+            return tiles.contiguous()
+        return memory.take(tuple(tiles.shape), tiles.dtype).copy_(tiles)
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), BATCH_HINT)
+
+
+def blocked_bytes(weight: torch.Tensor | None) -> int:
+    """The bytes `pack` takes from its `memory` for this weight (0: none, or not packable)."""
+    if weight is None or not can_pack(weight) or not _fits_blocked(weight):
+        return 0
+    return weight.numel() * weight.element_size()
 
 
 def linear(

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import packed_linear, quant_linear_cpu
+from pdserve.kernels import huge_pages, packed_linear, quant_linear_cpu
 from pdserve.kernels.quant_linear import quant_linear, quant_linear_ref
 from pdserve.kernels.quant_weights import QuantizedWeight, cat_rows, dequantize
 
@@ -102,8 +102,8 @@ class ColumnParallelLinear(torch.nn.Module):
             return _quant_linear(x, self.quantized, self.bias)
         return packed_linear.linear(x, self.weight, self.bias)
 
-    def prepare_weights(self, pack: bool) -> None:
-        _prepare(self, pack)
+    def prepare_weights(self, pack: bool, memory: huge_pages.Arena | None = None) -> None:
+        _prepare(self, pack, memory)
 
 
 class RowParallelLinear(torch.nn.Module):
@@ -133,8 +133,8 @@ class RowParallelLinear(torch.nn.Module):
             return self.tp.all_reduce(_quant_linear(x, self.quantized))
         return self.tp.all_reduce(packed_linear.linear(x, self.weight))
 
-    def prepare_weights(self, pack: bool) -> None:
-        _prepare(self, pack)
+    def prepare_weights(self, pack: bool, memory: huge_pages.Arena | None = None) -> None:
+        _prepare(self, pack, memory)
 
 
 class VocabParallelEmbedding(torch.nn.Module):
@@ -175,10 +175,10 @@ class VocabParallelEmbedding(torch.nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.packed_head if self.packed_head is not None else self.weight
 
-    def prepare_weights(self, pack: bool) -> None:
+    def prepare_weights(self, pack: bool, memory: huge_pages.Arena | None = None) -> None:
         """A packed copy for the LM head (the lookup keeps the plain rows); never quantized."""
         if pack and packed_linear.can_pack(self.weight):
-            self.packed_head = packed_linear.pack(self.weight)
+            self.packed_head = packed_linear.pack(self.weight, memory)
 
 
 Linear = ColumnParallelLinear | RowParallelLinear
@@ -193,16 +193,16 @@ def _set_quantized(layer: Linear, weight: QuantizedWeight) -> None:
     layer.weight = None  # the dense placeholder is never filled
 
 
-def _prepare(layer: Linear, pack: bool) -> None:
+def _prepare(layer: Linear, pack: bool, memory: huge_pages.Arena | None) -> None:
     """After loading, on the CPU backend (`pack`): the weight in the form its kernel reads
     (torch's int4/int8 ops' packing of a quantized weight, `packed_linear.pack` for a dense
-    bf16 one)."""
+    bf16 one, into `memory`)."""
     if not pack:
         return
     if isinstance(layer.quantized, QuantizedWeight):
         layer.quantized = quant_linear_cpu.prepare(layer.quantized, layer.dtype)
     elif layer.quantized is None and packed_linear.can_pack(layer.weight):
-        layer.weight = torch.nn.Parameter(packed_linear.pack(layer.weight.data), False)
+        layer.weight = torch.nn.Parameter(packed_linear.pack(layer.weight.data, memory), False)
 
 
 def _quant_linear(x: torch.Tensor, weight: QuantizedWeight | quant_linear_cpu.PreparedWeight,
@@ -216,10 +216,15 @@ def _quant_linear(x: torch.Tensor, weight: QuantizedWeight | quant_linear_cpu.Pr
 
 def prepare_weights(model: torch.nn.Module, pack: bool) -> None:
     """Every linear of `model` in its serving form, after the weights are loaded (`pack`:
-    the CPU backend's layouts, see `_prepare`)."""
-    for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
-            module.prepare_weights(pack)
+    the CPU backend's layouts, see `_prepare`; the blocked bf16 ones all in one mapping of huge
+    pages, which every decode step streams through)."""
+    modules = [m for m in model.modules()
+               if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))]
+    memory = None
+    if pack:
+        memory = huge_pages.Arena(packed_linear.blocked_bytes(m.weight) for m in modules)
+    for module in modules:
+        module.prepare_weights(pack, memory)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
