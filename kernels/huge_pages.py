@@ -8,12 +8,13 @@ they had 17-18: 1.08-1.11x at 1-6 rows, the same at 16-32 (bound by the FMAs the
 
 Linux gives a private anonymous mapping huge pages when it is advised MADV_HUGEPAGE before it
 is touched, where THP is `always` or `madvise` (/sys/kernel/mm/transparent_hugepage/enabled,
-`madvise` on most distributions). Where it is `never`, or on another OS, the memory is
-ordinary pages and nothing else changes.
+`madvise` on most distributions). Where it is `never`, the kernel has no THP, or the OS no
+MADV_HUGEPAGE, the memory is ordinary pages and nothing else changes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 from collections.abc import Iterable
@@ -38,7 +39,8 @@ class Arena:
         self._free = torch.empty(0, dtype=torch.uint8)
         if nbytes > 0 and hasattr(mmap, "MADV_HUGEPAGE"):
             mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            mapping.madvise(mmap.MADV_HUGEPAGE)
+            with contextlib.suppress(OSError):  # EINVAL: a kernel built without THP
+                mapping.madvise(mmap.MADV_HUGEPAGE)
             raw = torch.frombuffer(mapping, dtype=torch.uint8)
             start = -raw.data_ptr() % HUGE_PAGE  # huge pages lie on 2 MiB boundaries
             self._free = raw[start:start + nbytes]
