@@ -54,10 +54,12 @@ def test_the_mapping_lives_as_long_as_its_tensors():
     address = tensor.data_ptr()
     del arena
     gc.collect()
-    assert _mapping_of(address) is not None and tensor.sum().item() == 3.0 * tensor.numel()
+    span = _mapping_of(address)[:2]
+    assert tensor.sum().item() == 3.0 * tensor.numel()
     del tensor
     gc.collect()
-    assert _mapping_of(address) is None  # unmapped with the last tensor
+    mapping = _mapping_of(address)  # reading smaps may map a buffer of its own there
+    assert mapping is None or mapping[:2] != span  # unmapped with the last tensor
 
 
 def test_the_memory_is_in_huge_pages_where_the_kernel_allows():
