@@ -228,10 +228,9 @@ int linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint
                     /* what the first pass asks for as it goes: a tile's one pass, its own
                      * stream further on; the first of several, the next tile */
                     const uint16_t *ahead = 0;
-                    if (r == b * ROW_BLOCK && count == end - r)
-                        ahead = w + col * k + STREAM_AHEAD;
-                    else if (r == b * ROW_BLOCK && col + TILE_COLS < last)
-                        ahead = w + (col + TILE_COLS) * k;
+                    if (r == b * ROW_BLOCK)
+                        ahead = count == end - r        ? w + col * k + STREAM_AHEAD
+                              : col + TILE_COLS < last ? w + (col + TILE_COLS) * k : 0;
                     TILES[count](rows + r * k, k, w + col * k, bias ? bias + col : 0,
                                  y + r * n + col, n, ahead);
                     r += count;

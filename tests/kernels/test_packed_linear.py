@@ -75,7 +75,7 @@ def test_the_cpu_backend_packs_bf16_models(tiny_llama_dir):
         model = llm.engine.core.runner.model
         weight = model.layers[0].mlp.gate_up_proj.weight
         assert (weight.is_mkldnn or weight.dim() == 4) == (backend == "cpu")
-        blocked = [p for p in model.parameters() if p.dim() == 4]
-        assert len({p.untyped_storage().data_ptr() for p in blocked}) == (1 if blocked else 0)
+        packed = [p for p in model.parameters() if p.dim() == 4]  # one huge-page arena
+        assert len({p.untyped_storage().data_ptr() for p in packed}) == (1 if packed else 0)
         outputs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outputs["cpu"] == outputs["torch"]
