@@ -86,6 +86,41 @@ def test_runs_of_positions_match_each_query_alone():
     assert rel_err(out, expected) < BOUND[torch.bfloat16]
 
 
+@pytest.mark.parametrize("head_dim,group,num_kv_heads", [(64, 3, 3), (128, 2, 2), (64, 1, 4)])
+def test_fewer_queries_than_threads_give_the_same_bits(head_dim, group, num_kv_heads):
+    """With fewer queries than threads, work items are single KV heads (a lone sequence's
+    heads share the cores): each output is the same bits as on one thread, where an item reads
+    whole rows. Lone decodes on 2 and 4 threads, and on 4 threads three queries: decodes of
+    three sequences, then three consecutive positions of one (a tile of one KV head)."""
+    case = make_case([700, 5, 64], 16, num_kv_heads, head_dim, torch.bfloat16, seed=head_dim)
+    heads = num_kv_heads * group
+    q = torch.randn(6, heads, head_dim).bfloat16()
+    run = [(case.block_tables[i], int(case.context_lens[i])) for i in range(3)]
+    run += [(case.block_tables[0], n) for n in (98, 99, 100)]
+    tables = torch.stack([t for t, _ in run])
+    lens = torch.tensor([n for _, n in run], dtype=torch.int32)
+
+    def attend(rows, n):
+        torch.set_num_threads(n)
+        return paged_decode_attention_cpu(q[rows], case.k_cache, case.v_cache, tables[rows],
+                                          lens[rows], 0.125)
+
+    threads = torch.get_num_threads()
+    try:
+        whole = attend(slice(0, 6), 1)
+        for n in (2, 4):
+            for i in range(6):
+                assert torch.equal(attend(slice(i, i + 1), n)[0], whole[i]), (n, i)
+        assert torch.equal(attend(slice(0, 3), 4), whole[:3])
+        assert torch.equal(attend(slice(3, 6), 4), whole[3:])
+    finally:
+        torch.set_num_threads(threads)
+    c = finite(case)
+    expected = paged_decode_attention_ref(q.float(), c.k_cache.float(), c.v_cache.float(),
+                                          tables, lens, 0.125)
+    assert rel_err(whole, expected) < BOUND[torch.bfloat16]
+
+
 def test_rejects_bad_inputs():
     case = make_case([5], 16, 2, 64, torch.float32)
     with pytest.raises(ValueError, match="does not match the cache's heads"):
