@@ -2,9 +2,9 @@
 
 Detokenizes incrementally, cuts at stop strings, and records TTFT / ITL / end-to-end latency.
 Each message carries every token that reached the request's mailbox since the previous one:
-one step's when the reader keeps up, several merged when it does not (see Mailbox).
-With a remote prefill the first token is sent as soon as the prefill worker returns it (that
-is the TTFT), and dropped from the decode worker's first delta, which repeats it.
+one step's when the reader keeps up, several merged when it does not (see Mailbox); the first
+token always goes alone. With a remote prefill it is sent as soon as the prefill worker returns
+it (that is the TTFT), and dropped from the decode worker's first delta, which repeats it.
 One stream lives as long as its request: when the decode worker dies mid-stream, the router
 places the request again (what was streamed becomes its prompt's tail) and `resume`s the
 stream over the new placement, so detokenizer, stop strings, token count and timings carry on.
@@ -67,10 +67,13 @@ class ResponseStream:
                 yield self._finish(message, "stop", stop)
                 return
             yield message
-        mailbox = self.placement.mailbox
+        mailbox, later = self.placement.mailbox, []
         while True:
-            # everything that arrived since the last message goes out as one (see Mailbox)
-            items = await mailbox.take()
+            # everything that arrived since the last message goes out as one (see Mailbox),
+            # but the first delta (the first token) alone, as a remote prefill's: the TTFT
+            items, later = later or await mailbox.take(), []
+            if self.first_at is None and len(items) > 1:
+                items, later = items[:1], items[1:]
             token_ids, logprobs, end = _gather(items, skip, want_logprobs)
             skip = 0
             message, stop = self._message(token_ids, logprobs)

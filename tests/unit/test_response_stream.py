@@ -452,7 +452,7 @@ def test_a_backlog_goes_out_as_one_message_with_the_same_tokens_and_text(
         tokenizer, prompt_ids, out_ids, remote: bool, stop: tuple[str, ...]) -> None:
     """Every delta waiting when the stream looks merges into one message: nothing reordered,
     dropped or repeated, the text still equals the decode of the token ids (and is cut at the
-    same stop string), and the remote first token still goes out alone, first."""
+    same stop string), and the first token still goes out alone, first (remote or not)."""
     req = make_req(prompt_ids, stop=stop)
     prefill = prefill_response(out_ids[0]) if remote else None
     items = deltas_for(out_ids, [1, 2, 1, 3, 2])
@@ -463,9 +463,8 @@ def test_a_backlog_goes_out_as_one_message_with_the_same_tokens_and_text(
     assert backlog.text == steady.text
     assert (backlog.last.finish_reason, backlog.last.stop_reason) == \
         (steady.last.finish_reason, steady.last.stop_reason)
-    assert len(backlog.messages) == (2 if remote else 1) < len(steady.messages)
-    if remote:
-        assert list(backlog.messages[0].token_ids) == [out_ids[0]]
+    assert len(backlog.messages) == 2 < len(steady.messages)
+    assert list(backlog.messages[0].token_ids) == [out_ids[0]]
     if not stop:
         assert backlog.text == tokenizer.decode(out_ids, skip_special_tokens=True)
 
@@ -476,4 +475,5 @@ def test_tokens_before_a_lost_worker_in_a_backlog_still_reach_the_client(
     items = [delta(out_ids[:2]), delta(out_ids[2:4]), Lost("decode worker gone")]
     run = run_stream(tokenizer, req, items, coalesce=True)
     assert isinstance(run.error, WorkerLost)
-    assert run.token_ids == out_ids[:4] and len(run.messages) == 1
+    assert run.token_ids == out_ids[:4]
+    assert [list(m.token_ids) for m in run.messages] == [out_ids[:2], out_ids[2:4]]  # first alone
