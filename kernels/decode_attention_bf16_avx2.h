@@ -253,10 +253,11 @@ static int attend_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
         if (run % tile == 0) starts[tiles++] = s;
     }
     starts[tiles] = num_seqs;
-    /* fewer queries than threads (a lone sequence's step): items of one KV head each (so the
-     * heads share the cores: 1.2x at 1 x 500 tokens, 1.3x at 1 x 2000, 2 threads). With more,
-     * each item reads whole rows: cold rows stream faster whole than a slice at a time (batch
-     * 16 x 250: 0.93x, as slices one head after another). The same bits either way. */
+    /* fewer queries than threads (a lone sequence's step): items of one KV head each, so the
+     * heads share the cores (1.1-1.2x at 1 x 500 tokens, 1.1-1.3x at 1 x 2000, 2 threads).
+     * With more, each item reads whole rows: cold rows stream faster whole than a slice at a
+     * time (batch 16 x 250: 0.93x, as slices one head after another). The same bits either
+     * way. */
     int split = num_seqs < omp_get_max_threads() && num_kv_heads > 1;
     int64_t kv = split ? 1 : num_kv_heads, parts = num_kv_heads / kv, part_dim = kv * head_dim;
     tile_fn one = pick_tile(1, group, head_dim, split), many = pick_tile(tile, group, head_dim, 0);
