@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels.backend import KernelBackend, get_backend
 from pdserve.kernels.kv_quant import allocate_kv_cache
-from pdserve.kernels.registry import KernelBackend, get_backend
 
 
 @dataclass

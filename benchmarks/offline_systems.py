@@ -51,7 +51,7 @@ def hf_dtype(requested: str, dtype: str) -> str:
     about an hour for the default workload): there float32, what a transformers user runs."""
     if requested != "auto":
         return requested
-    from pdserve.kernels.packed_linear import onednn_bf16
+    from pdserve.kernels.cpu.packed_linear import onednn_bf16
 
     return "float32" if dtype == "bfloat16" and not onednn_bf16() else dtype
 

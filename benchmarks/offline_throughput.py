@@ -28,6 +28,8 @@ loads its model, warms up on two short prompts outside the workload, then is tim
 first request to the last result (load, compilation, cache allocation excluded). Peak RSS: the
 child's VmHWM, reset (/proc/self/clear_refs) just before the timed phase. "cpu s": its
 user+system CPU time over that phase (steadier than wall time on a shared machine).
+Greedy agreement: every other system's tokens against pdserve's, the same prompts token for
+token.
 
     .venv/bin/python benchmarks/offline_throughput.py --threads 2 --json out.json
 """
@@ -66,7 +68,6 @@ def _sibling(name: str) -> ModuleType:
 systems = _sibling("offline_systems")
 vllm_child = _sibling("offline_vllm")
 roofline = _sibling("roofline")
-agreement_of = _sibling("agreement")
 PDSERVE, HF_GENERATE, HF_BATCH = systems.PDSERVE, systems.HF_GENERATE, systems.HF_BATCH
 VLLM = vllm_child.VLLM
 ROOT = _HERE.parent
@@ -252,11 +253,11 @@ def main(argv: list[str] | None = None) -> dict:
     _print_notes(args, results)
     if not args.skip_hf:
         print(f"transformers ran in {opts['hf_dtype']}, the others in {opts['dtype']}.")
-    agreement = agreement_of.report(results)
+    agreement = _print_agreement(results)
     print(roofline.describe(step))
     print(roofline.describe_compute(compute))
     report = {
-        "cpu": roofline.cpu_kind(),
+        "cpu": _cpu_kind(),
         "dtype": {"pdserve": opts["dtype"], "transformers": opts["hf_dtype"]},
         "roofline": step,
         "compute_floor": compute,
@@ -281,7 +282,24 @@ def _print_workload(args: argparse.Namespace, reqs: list[BenchRequest]) -> None:
         f"{sum(out_lens)} (median {out_lens[len(reqs) // 2]}, max {out_lens[-1]}); "
         f"threads {args.threads} (torch.set_num_threads in each child); cpus {os.cpu_count()}"
     )
-    print(f"cpu: {roofline.cpu_kind()}")
+    print(f"cpu: {_cpu_kind()}")
+
+
+def _cpu_kind() -> str:
+    """The CPU and which bf16 matmul pdserve runs on it: hosts differ between runs, and the
+    instruction set decides most of the numbers (a bf16 linear is ~100x slower without a
+    kernel for it)."""
+    import torch
+
+    from pdserve.kernels.cpu import packed_linear
+
+    with open("/proc/cpuinfo") as f:
+        name = next((line.split(":", 1)[1].strip() for line in f
+                     if line.startswith("model name")), "unknown")
+    cols = packed_linear.tile_cols()
+    linear = {64: "pdserve's AVX512-BF16 kernel", 16: "pdserve's AVX2 kernel"}.get(
+        cols, "oneDNN" if packed_linear.onednn_bf16() else "torch's reference")
+    return f"{name}; bf16 linears: {linear}; torch sees {torch.backends.cpu.get_cpu_capability()}"
 
 
 def _print_notes(args: argparse.Namespace, results: list[dict]) -> None:
@@ -293,6 +311,33 @@ def _print_notes(args: argparse.Namespace, results: list[dict]) -> None:
         f"cpu s = its user+sys CPU time then; "
         f"threads used: {', '.join(str(r['threads']) for r in results)}."
     )
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """Greedy agreement between two systems: the same prompts, token for token."""
+    prefix = []
+    for x, y in zip(a, b, strict=True):
+        pairs = enumerate(zip(x, y, strict=False))
+        n = next((i for i, (p, q) in pairs if p != q), min(len(x), len(y)))
+        prefix.append(n / max(1, len(x)))
+    exact = sum(x == y for x, y in zip(a, b, strict=True))
+    first32 = sum(x[:32] == y[:32] for x, y in zip(a, b, strict=True))
+    return {"exact": exact, "first32": first32, "of": len(a),
+            "mean_common_prefix": sum(prefix) / len(prefix)}
+
+
+def _print_agreement(results: list[dict]) -> dict:
+    """Greedy tokens of every other system against pdserve's, printed; by system."""
+    agreement = {}
+    for other in results[1:]:
+        agreement[other["system"]] = _agreement(results[0]["token_ids"], other["token_ids"])
+        a = agreement[other["system"]]
+        print(
+            f"greedy agreement pdserve vs {other['system']}: {a['exact']}/{a['of']} requests "
+            f"identical, first 32 tokens identical in {a['first32']}/{a['of']}, mean common "
+            f"prefix {a['mean_common_prefix']:.1%} of the output"
+        )
+    return agreement
 
 
 if __name__ == "__main__":

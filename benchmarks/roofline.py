@@ -82,23 +82,6 @@ def describe(r: dict) -> str:
             f"at {r['bandwidth_gbs']:.1f} GB/s read) -> {r['roofline_pct']:.0f}% of roofline")
 
 
-def cpu_kind() -> str:
-    """The CPU and which bf16 matmul pdserve runs on it: hosts differ between runs, and the
-    instruction set decides most of the numbers (a bf16 linear is ~100x slower without a
-    kernel for it)."""
-    import torch
-
-    from pdserve.kernels import packed_linear
-
-    with open("/proc/cpuinfo") as f:
-        name = next((line.split(":", 1)[1].strip() for line in f
-                     if line.startswith("model name")), "unknown")
-    cols = packed_linear.tile_cols()
-    linear = {64: "pdserve's AVX512-BF16 kernel", 16: "pdserve's AVX2 kernel"}.get(
-        cols, "oneDNN" if packed_linear.onednn_bf16() else "torch's reference")
-    return f"{name}; bf16 linears: {linear}; torch sees {torch.backends.cpu.get_cpu_capability()}"
-
-
 GEMM_SIZE = 1024
 
 
@@ -108,7 +91,7 @@ def gemm_rate(opts: dict) -> float:
     one on CPUs without AVX512-BF16): an upper bound for any linear layer's rate here."""
     import torch
 
-    from pdserve.kernels import packed_linear
+    from pdserve.kernels.cpu import packed_linear
 
     torch.set_num_threads(opts["threads"])
     size = GEMM_SIZE
@@ -116,7 +99,7 @@ def gemm_rate(opts: dict) -> float:
     candidates = [lambda: torch.mm(a, b)]
     if packed_linear.can_pack(b):
         packed = packed_linear.pack(b.t().contiguous())  # y = a @ b as a linear of b^T
-        candidates.append(lambda: packed_linear.linear(a, packed))
+        candidates.append(lambda: packed(a))
     for fn in candidates:
         fn()
     return max(2 * size**3 / _best(fn, 5) for fn in candidates)

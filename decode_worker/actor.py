@@ -25,9 +25,9 @@ from pdserve.cluster_secret import ClusterSecret
 from pdserve.decode_worker.group import start_decode_rank
 from pdserve.decode_worker.service import DecodeService
 from pdserve.engine.models.parallel import TensorParallel
-from pdserve.engine.worker_spec import WorkerSpec
 from pdserve.kvtransfer.descriptor import Endpoint
 from pdserve.kvtransfer.rendezvous import GlooListener
+from pdserve.worker_spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
 

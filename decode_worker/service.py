@@ -36,10 +36,10 @@ from pdserve.decode_worker.subscriptions import (
     check_router_id,
 )
 from pdserve.decode_worker.worker import DecodeWorker, ReservationNotFound
-from pdserve.engine.wire import logprobs_from_proto, logprobs_to_proto, sampling_from_proto
 from pdserve.kvtransfer.descriptor import Endpoint
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.tls import TLSFiles
+from pdserve.wire import logprobs_from_proto, logprobs_to_proto, sampling_from_proto
 from pdserve.worker_grpc import bind, worker_server
 
 logger = logging.getLogger(__name__)

@@ -36,12 +36,12 @@ from pdserve.engine.plan_broadcast import IdleBeat
 from pdserve.engine.request import Request, RequestStatus, check_num_prior_output_tokens
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_output import TokenLogprobs
-from pdserve.engine.wire import check_logprobs, check_prompt, check_request_id, check_token_id
 from pdserve.engine.worker_stats import WorkerStats
 from pdserve.kvtransfer.connector import Listener
 from pdserve.kvtransfer.descriptor import Endpoint, TransferDescriptor
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.receive_connector import KVReceiveConnector, RemotePrefill
+from pdserve.wire import check_logprobs, check_prompt, check_request_id, check_token_id
 
 logger = logging.getLogger(__name__)
 

@@ -15,12 +15,11 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from pdserve.engine.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.loader import load_weights
 from pdserve.engine.models import MODEL_CLASSES
-from pdserve.engine.models.parallel import TensorParallel, weight_bytes
+from pdserve.engine.models.parallel import TensorParallel, prepare_weights, weight_bytes
 from pdserve.engine.prompt_logprobs import compute_prompt_logprobs
 from pdserve.engine.sampler import (
     MIN_TEMPERATURE,
@@ -36,8 +35,9 @@ from pdserve.engine.scheduler_output import (
     TokenLogprobs,
 )
 from pdserve.engine.spec.verify import Group, verify
+from pdserve.kernels.attention_metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
+from pdserve.kernels.backend import get_backend
 from pdserve.kernels.kv_quant import allocate_kv_cache
-from pdserve.kernels.registry import get_backend
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +59,7 @@ class ModelRunner:
         model_class = MODEL_CLASSES[cfg.architecture]
         self.model = model_class(cfg, self.tp, self.ops, self.dtype, self.device)
         load_weights(self.model, cfg.path, cfg.quantization)
-        # on the CPU backend: quantized linears packed for torch's ops, bf16 ones for their kernel
-        self.model.prepare_weights(pack=self.ops.name == "cpu")
+        prepare_weights(self.model, self.ops, self.dtype)  # each linear in the backend's form
         self.weight_bytes = weight_bytes(self.model)
         self.model.eval()
         self.kv_caches = self._allocate_kv_caches()

@@ -10,12 +10,15 @@ With a KV connector (engine.kv_connector) a request's prompt KV may come from el
 `reserve_remote` holds its blocks and leaves it with the connector, in no queue, until a
 `poll` at the top of `schedule` says it is ready (it then runs from its first token) or
 that its transfer failed (it ends with an error). Outputs made there leave with the step's.
+
+`Scheduler.stats` (`SchedulerStats`): what the scheduler has done, as cumulative counters.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from dataclasses import dataclass
 
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
@@ -29,9 +32,20 @@ from pdserve.engine.scheduler_output import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from pdserve.engine.scheduler_stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerStats:
+    num_computed_tokens: int = 0  # tokens run through the model, all steps
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+    num_steps: int = 0
+    # Speculative decoding: one verification = one sequence's drafts checked in one step.
+    num_spec_verifications: int = 0
+    num_draft_tokens: int = 0  # drafts verified
+    num_accepted_tokens: int = 0  # drafts accepted (each verification also emits one more)
 
 
 class Scheduler:

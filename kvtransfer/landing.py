@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from pdserve.kernels.backend import get_backend
 from pdserve.kvtransfer.channel import Op
 from pdserve.kvtransfer.descriptor import Endpoint
 from pdserve.kvtransfer.errors import ErrorCode, TransferError
@@ -68,8 +69,6 @@ class Landing:
         self, layout: KVLayout, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         head_range: tuple[int, int], backend: Any, max_payload_nbytes: int, max_inflight: int,
     ) -> None:
-        from pdserve.kernels.registry import get_backend
-
         self.layout, self.kv_caches = layout, kv_caches
         self.head_start, self.head_end = head_range
         self.device = kv_caches[0][0].device

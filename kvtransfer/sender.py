@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.kernels.backend import get_backend
 from pdserve.kvtransfer.channel import Op, PairChannel
 from pdserve.kvtransfer.connector import Connector
 from pdserve.kvtransfer.descriptor import Endpoint, TransferDescriptor
@@ -107,8 +108,6 @@ class KVSender:
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, backend: object = None,
         pool: BufferPool | None = None,
     ) -> None:
-        from pdserve.kernels.registry import get_backend
-
         self.layout, self.source, self.source_tp = layout, connector.source, source_tp
         self.head_start, self.head_end = layout.head_ranges(source_tp)[self.source.rank]
         self.device = check_kv_caches(layout, kv_caches, self.head_end - self.head_start)
@@ -161,7 +160,7 @@ class KVSender:
         return self._post(channel, header, parts, plan, pooled)
 
     def _packed(self, layer: int, plan: PushPlan) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """One [2, n, ...] buffer with every block of the plan (see kernels.pack_blocks)."""
+        """One [2, n, ...] buffer with every block of the plan (kernels.reference.pack_blocks)."""
         buf = self._gather(layer, plan, plan.src_block_ids)
         return [buf], [buf] if self.device.type != "cuda" else []
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from pdserve import defaults
 from pdserve.cluster_secret import ClusterSecret
-from pdserve.engine.worker_spec import WorkerSpec
 from pdserve.prefill_worker.service import PrefillService
+from pdserve.worker_spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,6 @@ from concurrent import futures
 import grpc
 
 from pdserve.cluster_secret import ClusterSecret
-from pdserve.engine.wire import logprobs_to_proto, sampling_from_proto
-from pdserve.engine.worker_spec import WorkerSpec
 from pdserve.kvtransfer.descriptor import Endpoint, TransferDescriptor
 from pdserve.kvtransfer.rendezvous import GlooConnector
 from pdserve.prefill_worker.prefix_events import PrefixIndexPublisher
@@ -34,7 +32,9 @@ from pdserve.prefill_worker.worker import (
     PrefillWorker,
 )
 from pdserve.proto import worker_pb2, worker_pb2_grpc
+from pdserve.wire import logprobs_to_proto, sampling_from_proto
 from pdserve.worker_grpc import bind, worker_server
+from pdserve.worker_spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
 

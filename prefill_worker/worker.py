@@ -29,13 +29,13 @@ from pdserve.engine.loop import EngineLoop, LoopClosedError
 from pdserve.engine.request import Request, RequestStatus, check_num_prior_output_tokens
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_output import EngineCoreOutput, TokenLogprobs
-from pdserve.engine.wire import check_prompt, check_request_id
 from pdserve.engine.worker_stats import WorkerStats
 from pdserve.kvtransfer.connector import Connector
 from pdserve.kvtransfer.descriptor import TransferDescriptor
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.push_connector import KVPushConnector
 from pdserve.prefill_worker.prefix_events import PrefixIndexPublisher
+from pdserve.wire import check_prompt, check_request_id
 
 logger = logging.getLogger(__name__)
 

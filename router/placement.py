@@ -21,7 +21,6 @@ from collections.abc import Mapping
 import grpc
 
 from pdserve.engine.block_hash import hash_blocks
-from pdserve.engine.wire import sampling_to_proto
 from pdserve.proto import worker_pb2
 from pdserve.router.config import RouterConfig
 from pdserve.router.decode_client import DecodeClient
@@ -39,6 +38,7 @@ from pdserve.router.policy import (
 from pdserve.router.store import RedisStore, Session
 from pdserve.router.validation import InvalidArgument, ValidRequest
 from pdserve.router.workers import PrefillClient, ReservationLost, WorkerBusy, WorkerLost
+from pdserve.wire import sampling_to_proto
 
 logger = logging.getLogger(__name__)
 

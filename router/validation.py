@@ -23,9 +23,9 @@ from pdserve.engine.config import load_model_config
 from pdserve.engine.input_processor import chat_prompt, check_prompt_length, tokenize_prompt
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer
-from pdserve.engine.wire import sampling_from_proto
 from pdserve.proto import pdserve_pb2, raw_pb2
 from pdserve.redis_keys import PUBLIC_TENANT, scoped_session_id
+from pdserve.wire import sampling_from_proto
 
 MAX_REQUEST_ID_CHARS = 128  # room for the router's retry suffix in a 256-char worker id
 MAX_ID_CHARS = 256  # session_id

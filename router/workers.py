@@ -5,9 +5,9 @@ is refused or broken (UNAVAILABLE, gRPC keepalive pings unanswered), it says it 
 away, the supervisor reports it dead (`mark_down`), or, for a decode worker, its `Outputs`
 stream breaks or stays silent for `silence_s` (a healthy worker sends at least a keepalive
 every second). A late or failed `GetLoad` poll is no death: the worker stays in rotation with
-its last load, marked stale. A decode worker's `Outputs` stream is read by one task here and
-sorted into per-request queues; when the worker goes down, every request on it ends with
-WorkerLost (UNAVAILABLE to the client) at once, never a hang.
+its last load, marked stale. A decode worker's `Outputs` stream is read by one task (in
+router/decode_client.py) and sorted into per-request mailboxes; when the worker goes down,
+every request on it ends with WorkerLost (UNAVAILABLE to the client) at once, never a hang.
 
 With worker-plane mutual TLS (`tls`), each channel is TLS, presents the cluster's certificate
 and verifies the worker's against the cluster CA under the name WORKER_TLS_NAME (workers are

@@ -11,19 +11,18 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.engine.attention import Attention, AttentionMetadata
+from pdserve.engine.attention import Attention
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.models.cpu_layers import CpuDecoderLayers
 from pdserve.engine.models.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     TensorParallel,
     VocabParallelEmbedding,
-    prepare_weights,
 )
 from pdserve.engine.models.rope import rope_tables
-from pdserve.kernels import decoder_layer_cpu
-from pdserve.kernels.registry import KernelBackend
+from pdserve.kernels.attention_metadata import AttentionMetadata
+from pdserve.kernels.backend import KernelBackend
+from pdserve.kernels.decoder_layers import DecoderBlock
 
 
 class RMSNorm(torch.nn.Module):
@@ -43,7 +42,8 @@ class RMSNorm(torch.nn.Module):
 
 
 class LlamaAttention(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, ops: KernelBackend, **kw):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, ops: KernelBackend,
+                 rope: tuple[torch.Tensor, torch.Tensor], **kw):
         super().__init__()
         d = cfg.head_dim
         self.num_heads = tp.split(cfg.num_heads, "num_attention_heads")
@@ -53,13 +53,13 @@ class LlamaAttention(torch.nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp, **kw)
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, ops)
         self.head_dim = d
+        self.rope = rope  # the model's cos, sin tables, shared by every layer
         self.ops = ops
 
     def forward(
         self,
         hidden: torch.Tensor,  # [T, hidden]
         positions: torch.Tensor,  # [T]
-        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, ...],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -69,7 +69,7 @@ class LlamaAttention(torch.nn.Module):
         q = q.reshape(-1, self.num_heads, d)  # [T, H, D]
         k = k.reshape(-1, self.num_kv_heads, d)  # [T, Hkv, D]
         v = v.reshape(-1, self.num_kv_heads, d)
-        self.ops.rotary_embedding(q, k, positions, *rope)
+        self.ops.rotary_embedding(q, k, positions, *self.rope)
         out = self.attn(q, k, v, kv_cache, meta)  # [T, H, D]
         return self.o_proj(out.reshape(-1, self.num_heads * d))
 
@@ -87,30 +87,29 @@ class LlamaMLP(torch.nn.Module):
 
 
 class LlamaDecoderLayer(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, ops: KernelBackend, **kw):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, ops: KernelBackend,
+                 rope: tuple[torch.Tensor, torch.Tensor], **kw):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, **kw)
-        self.self_attn = LlamaAttention(cfg, tp, ops, **kw)
+        self.self_attn = LlamaAttention(cfg, tp, ops, rope, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, **kw)
         self.mlp = LlamaMLP(cfg, tp, ops, **kw)
 
-    def forward(self, hidden, residual, positions, rope, kv_cache, meta):
+    def forward(self, hidden, residual, positions, kv_cache, meta):
         hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, positions, rope, kv_cache, meta)
+        hidden = self.self_attn(hidden, positions, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
-    def prepare_cpu(self) -> decoder_layer_cpu.PreparedLayer | None:
-        """This layer's packed weights bound for `decoder_layer_cpu` (None: they do not fit)."""
+    def block(self) -> DecoderBlock:
+        """This layer as the standard block a backend may run fused (after prepare_weights)."""
         attn, mlp = self.self_attn, self.mlp
-        if any(lin.quantized is not None for lin in (attn.qkv_proj, attn.o_proj,
-                                                     mlp.gate_up_proj, mlp.down_proj)):
-            return None
-        return decoder_layer_cpu.prepare_layer(
-            self.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
-            attn.o_proj.weight, self.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
-            mlp.down_proj.weight, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            self.input_layernorm.eps,
+        tp = attn.o_proj.tp
+        return DecoderBlock(
+            self.input_layernorm.weight, attn.qkv_proj.kernel, attn.qkv_proj.bias,
+            attn.o_proj.kernel, self.post_attention_layernorm.weight, mlp.gate_up_proj.kernel,
+            mlp.down_proj.kernel, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            self.input_layernorm.eps, attn.rope, tp.all_reduce if tp.size > 1 else None,
         )
 
 
@@ -125,8 +124,12 @@ class LlamaForCausalLM(torch.nn.Module):
         kw = {"dtype": dtype, "device": device}
         self.config = cfg
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, **kw)
-        self.layers = torch.nn.ModuleList(
-            LlamaDecoderLayer(cfg, tp, ops, **kw) for _ in range(cfg.num_layers)
+        self.rope = rope_tables(
+            cfg.rope_parameters, cfg.head_dim, cfg.max_position_embeddings,
+            cfg.max_model_len, device,
+        )
+        self.layers = ops.decoder_layers(
+            LlamaDecoderLayer(cfg, tp, ops, self.rope, **kw) for _ in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, **kw)
         self.lm_head = (
@@ -134,20 +137,6 @@ class LlamaForCausalLM(torch.nn.Module):
             if cfg.tie_word_embeddings
             else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, **kw)
         )
-        self.rope = rope_tables(
-            cfg.rope_parameters, cfg.head_dim, cfg.max_position_embeddings,
-            cfg.max_model_len, device,
-        )
-        self.cpu_layers: CpuDecoderLayers | None = None  # see prepare_weights
-        self.tp = tp
-
-    def prepare_weights(self, pack: bool) -> None:
-        """After loading: every linear in its serving form (`parallel.prepare_weights`); on the
-        CPU backend (`pack`) also the decoder layers' one-call form where their weights fit it
-        (bf16, blocked; engine.models.cpu_layers), the module path serving the rest."""
-        prepare_weights(self, pack)
-        if pack:
-            self.cpu_layers = CpuDecoderLayers.build(self.layers, self.rope, self.tp)
 
     def forward(
         self,
@@ -158,14 +147,8 @@ class LlamaForCausalLM(torch.nn.Module):
         layer_hook: Callable[[int], None] | None = None,
     ) -> torch.Tensor:  # [T, hidden]
         """`layer_hook(i)` runs once layer i's K/V are in the cache (KV push overlaps compute)."""
-        hidden, residual = self.embed_tokens(input_ids), None
-        if self.cpu_layers is not None and self.cpu_layers.takes(kv_caches):
-            hidden, residual = self.cpu_layers(hidden, positions, kv_caches, meta, layer_hook)
-            return self.norm(hidden, residual)[0]
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            hidden, residual = layer(hidden, residual, positions, self.rope, kv_cache, meta)
-            if layer_hook is not None:
-                layer_hook(i)
+        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.layers(hidden, positions, kv_caches, meta, layer_hook)
         return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]

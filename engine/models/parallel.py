@@ -2,7 +2,9 @@
 
 Weights load straight into their final (sharded, fused) layout through each parameter's
 `load(tensor, shard)`, so the same checkpoint serves any TP size that divides the heads.
-With `tp.size == 1` no collective runs.
+`prepare_weights` then hands every linear's loaded weight to the kernel backend, which returns
+it in the layout its kernel reads (`KernelBackend.prepare_linears`); a linear runs as
+`kernel(x, bias)` from then on. With `tp.size == 1` no collective runs.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import huge_pages, packed_linear, quant_linear_cpu
-from pdserve.kernels.quant_linear import quant_linear, quant_linear_ref
+from pdserve.kernels.backend import KernelBackend, LinearKernel
+from pdserve.kernels.decoder_layers import DecoderLayers
 from pdserve.kernels.quant_weights import QuantizedWeight, cat_rows, dequantize
 
 
@@ -57,7 +59,35 @@ class TensorParallel:
         return x
 
 
-class ColumnParallelLinear(torch.nn.Module):
+class ParallelLinear(torch.nn.Module):
+    """What both tensor-parallel linears share: the loaded weight (dense `weight`, or
+    `quantized` as a checkpoint quantized it) until `prepare_weights`, then only `kernel`."""
+
+    def __init__(self, out_features: int, in_features: int, dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__()
+        kw = {"dtype": dtype, "device": device}
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **kw), False)
+        self.dtype = dtype  # of activations: a quantized kernel's scales are cast to it
+        self.quantized: QuantizedWeight | None = None
+        self.kernel: LinearKernel | None = None  # see prepare_weights
+
+    def loaded(self) -> torch.Tensor | QuantizedWeight:
+        return self.quantized if self.quantized is not None else self.weight
+
+    def set_kernel(self, kernel: LinearKernel) -> None:
+        self.kernel, self.weight, self.quantized = kernel, None, None  # the kernel's copy only
+
+    def _set_quantized(self, weight: QuantizedWeight) -> None:
+        want = tuple(self.weight.shape)
+        if weight.shape != want:
+            raise ValueError(f"model: a quantized weight of shape {list(weight.shape)} for a "
+                             f"linear of {list(want)}")
+        self.quantized = weight.to(self.weight.device).contiguous()
+        self.weight = None  # the dense placeholder is never filled
+
+
+class ColumnParallelLinear(ParallelLinear):
     """y = x W^T + b with W's output rows split over ranks; fused sub-matrices by `shards`.
 
     `shards` lists the (name, full rows) stacked in the fused weight, e.g. q/k/v or gate/up;
@@ -73,17 +103,14 @@ class ColumnParallelLinear(torch.nn.Module):
         dtype: torch.dtype,
         device: torch.device,
     ):
-        super().__init__()
-        self.tp = tp
-        self.shard_rows = {name: tp.split(rows, name) for name, rows in shards.items()}
-        self.offsets, offset = {}, 0
-        for name, rows in self.shard_rows.items():
-            self.offsets[name], offset = offset, offset + rows
+        shard_rows = {name: tp.split(rows, name) for name, rows in shards.items()}
+        offsets, offset = {}, 0
+        for name, rows in shard_rows.items():
+            offsets[name], offset = offset, offset + rows
+        super().__init__(offset, in_features, dtype, device)
+        self.tp, self.shard_rows, self.offsets = tp, shard_rows, offsets
         kw = {"dtype": dtype, "device": device}
-        self.weight = torch.nn.Parameter(torch.empty(offset, in_features, **kw), False)
         self.bias = torch.nn.Parameter(torch.empty(offset, **kw), False) if bias else None
-        self.dtype = dtype  # of activations: the quantized kernels' scales are cast to it
-        self.quantized: QuantizedWeight | quant_linear_cpu.PreparedWeight | None = None
         self._parts: dict[str, QuantizedWeight] = {}  # quantized shards until all arrive
 
     def load(self, name: str, tensor: torch.Tensor | QuantizedWeight, shard: str) -> None:
@@ -91,54 +118,41 @@ class ColumnParallelLinear(torch.nn.Module):
         if isinstance(tensor, QuantizedWeight):  # the weight, as a checkpoint quantized it
             self._parts[shard] = tensor.narrow(0, self.tp.rank * rows, rows)
             if len(self._parts) == len(self.shard_rows):
-                _set_quantized(self, cat_rows([self._parts.pop(n) for n in self.shard_rows]))
+                self._set_quantized(cat_rows([self._parts.pop(n) for n in self.shard_rows]))
             return
         local = tensor.narrow(0, self.tp.rank * rows, rows)
         target = self.weight if name == "weight" else self.bias
         target.data.narrow(0, self.offsets[shard], rows).copy_(local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None:
-            return _quant_linear(x, self.quantized, self.bias)
-        return packed_linear.linear(x, self.weight, self.bias)
-
-    def prepare_weights(self, pack: bool, memory: huge_pages.Arena | None = None) -> None:
-        _prepare(self, pack, memory)
+        return self.kernel(x, self.bias)
 
 
-class RowParallelLinear(torch.nn.Module):
+class RowParallelLinear(ParallelLinear):
     """y = x W^T with W's input columns split over ranks; partial sums all-reduced."""
 
     def __init__(
         self, in_features: int, out_features: int, tp: TensorParallel,
         dtype: torch.dtype, device: torch.device,
     ):
-        super().__init__()
-        self.tp = tp
-        self.cols = tp.split(in_features, "in_features")
-        kw = {"dtype": dtype, "device": device}
-        self.weight = torch.nn.Parameter(torch.empty(out_features, self.cols, **kw), False)
-        self.dtype = dtype
-        self.quantized: QuantizedWeight | quant_linear_cpu.PreparedWeight | None = None
+        cols = tp.split(in_features, "in_features")
+        super().__init__(out_features, cols, dtype, device)
+        self.tp, self.cols = tp, cols
 
     def load(self, name: str, tensor: torch.Tensor | QuantizedWeight, shard: str = "") -> None:
         local = tensor.narrow(1, self.tp.rank * self.cols, self.cols)  # whole groups only
         if isinstance(local, QuantizedWeight):
-            _set_quantized(self, local)
+            self._set_quantized(local)
         else:
             self.weight.data.copy_(local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None:
-            return self.tp.all_reduce(_quant_linear(x, self.quantized))
-        return self.tp.all_reduce(packed_linear.linear(x, self.weight))
-
-    def prepare_weights(self, pack: bool, memory: huge_pages.Arena | None = None) -> None:
-        _prepare(self, pack, memory)
+        return self.tp.all_reduce(self.kernel(x))
 
 
 class VocabParallelEmbedding(torch.nn.Module):
-    """Embedding rows split over ranks; also the (tied or untied) LM head."""
+    """Embedding rows split over ranks; also the (tied or untied) LM head, whose `head` kernel
+    the backend prepares from the same rows (a packed copy, or the rows themselves)."""
 
     def __init__(
         self, vocab_size: int, hidden_size: int, tp: TensorParallel,
@@ -151,7 +165,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.vocab_size = vocab_size
         kw = {"dtype": dtype, "device": device}
         self.weight = torch.nn.Parameter(torch.zeros(self.rows, hidden_size, **kw), False)
-        self.packed_head: torch.Tensor | None = None
+        self.head: LinearKernel | None = None  # see prepare_weights
 
     def load(self, name: str, tensor: torch.Tensor | QuantizedWeight, shard: str = "") -> None:
         if isinstance(tensor, QuantizedWeight):  # kept dense in the serving dtype
@@ -168,72 +182,38 @@ class VocabParallelEmbedding(torch.nn.Module):
         return self.tp.all_reduce(out.masked_fill(outside[:, None], 0))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
-        local = packed_linear.linear(hidden, self.head_weight).float()
+        local = self.head(hidden).float()
         return self.tp.all_gather_last(local)[:, : self.vocab_size]
 
-    @property
-    def head_weight(self) -> torch.Tensor:
-        return self.packed_head if self.packed_head is not None else self.weight
+    def loaded(self) -> torch.Tensor:
+        return self.weight
 
-    def prepare_weights(self, pack: bool, memory: huge_pages.Arena | None = None) -> None:
-        """A packed copy for the LM head (the lookup keeps the plain rows); never quantized."""
-        if pack and packed_linear.can_pack(self.weight):
-            self.packed_head = packed_linear.pack(self.weight, memory)
+    def set_kernel(self, kernel: LinearKernel) -> None:
+        self.head = kernel  # the lookup keeps the plain rows
 
 
-Linear = ColumnParallelLinear | RowParallelLinear
-
-
-def _set_quantized(layer: Linear, weight: QuantizedWeight) -> None:
-    want = tuple(layer.weight.shape)
-    if weight.shape != want:
-        raise ValueError(f"model: a quantized weight of shape {list(weight.shape)} for a "
-                         f"linear of {list(want)}")
-    layer.quantized = weight.to(layer.weight.device).contiguous()
-    layer.weight = None  # the dense placeholder is never filled
-
-
-def _prepare(layer: Linear, pack: bool, memory: huge_pages.Arena | None) -> None:
-    """After loading, on the CPU backend (`pack`): the weight in the form its kernel reads
-    (torch's int4/int8 ops' packing of a quantized weight, `packed_linear.pack` for a dense
-    bf16 one, into `memory`)."""
-    if not pack:
-        return
-    if isinstance(layer.quantized, QuantizedWeight):
-        layer.quantized = quant_linear_cpu.prepare(layer.quantized, layer.dtype)
-    elif layer.quantized is None and packed_linear.can_pack(layer.weight):
-        layer.weight = torch.nn.Parameter(packed_linear.pack(layer.weight.data, memory), False)
-
-
-def _quant_linear(x: torch.Tensor, weight: QuantizedWeight | quant_linear_cpu.PreparedWeight,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    if isinstance(weight, quant_linear_cpu.PreparedWeight):
-        return quant_linear_cpu.linear(x, weight, bias)
-    if x.device.type == "cpu":  # the torch backend: references only
-        return quant_linear_ref(x, weight, bias)
-    return quant_linear(x, weight, bias)  # Triton
-
-
-def prepare_weights(model: torch.nn.Module, pack: bool) -> None:
-    """Every linear of `model` in its serving form, after the weights are loaded (`pack`:
-    the CPU backend's layouts, see `_prepare`; the blocked bf16 ones all in one mapping of huge
-    pages, which every decode step streams through)."""
+def prepare_weights(model: torch.nn.Module, ops: KernelBackend, dtype: torch.dtype) -> None:
+    """After loading: every linear's weight (and the LM head's) in `ops`' serving form, each
+    loaded weight let go as its kernel is made; then every layer stack bound to them."""
     modules = [m for m in model.modules()
-               if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))]
-    memory = None
-    if pack:
-        memory = huge_pages.Arena(packed_linear.blocked_bytes(m.weight) for m in modules)
-    for module in modules:
-        module.prepare_weights(pack, memory)
+               if isinstance(m, (ParallelLinear, VocabParallelEmbedding))]
+    kernels = ops.prepare_linears((m.loaded() for m in modules), dtype)
+    for module, kernel in zip(modules, kernels, strict=True):
+        module.set_kernel(kernel)
+    for module in model.modules():
+        if isinstance(module, DecoderLayers):
+            module.prepare()
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's weights as held (quantized linears at their packed size, and the
-    LM head's packed copy of a tied embedding)."""
-    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the model's weights as held: parameters and every prepared kernel's tensors
+    (quantized linears at their packed size, the LM head's packed copy of a tied embedding),
+    each tensor once."""
+    tensors = list(model.parameters())
     for m in model.modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.quantized is not None:
-            held += m.quantized.nbytes
-        if isinstance(m, VocabParallelEmbedding) and m.packed_head is not None:
-            held += m.packed_head.numel() * m.packed_head.element_size()  # the head's copy
-    return held
+        if isinstance(m, ParallelLinear) and m.kernel is not None:
+            tensors += m.kernel.tensors
+        elif isinstance(m, VocabParallelEmbedding) and m.head is not None:
+            tensors += m.head.tensors
+    unique = {id(t): t for t in tensors}
+    return sum(t.numel() * t.element_size() for t in unique.values())

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_output import TokenLogprobs
-from pdserve.engine.wire import logprobs_from_proto, sampling_to_proto
 from pdserve.proto import pdserve_pb2
+from pdserve.wire import logprobs_from_proto, sampling_to_proto
 
 
 @dataclass(frozen=True)

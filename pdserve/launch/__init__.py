@@ -8,6 +8,6 @@
 - `worker`: `Worker`, one worker's Ray actors and placement group; `WorkerInfo`.
 - `supervisor`: `Supervisor`, health pings and whole-worker restarts.
 - `redis_server`: `RedisServer`, the bundled redis-server subprocess.
-- `deploy_check` (with `cluster_yaml`, `start_command`): a Ray cluster YAML checked offline,
+- `deploy_check`: a Ray cluster YAML checked offline,
   `python -m pdserve.launch.deploy_check deploy/ray/cluster.yaml`.
 """

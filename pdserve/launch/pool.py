@@ -21,9 +21,9 @@ from typing import Any
 import ray
 
 from pdserve.cluster_secret import ClusterSecret
-from pdserve.engine.worker_spec import WorkerSpec
 from pdserve.launch.supervisor import Callback, Supervisor
 from pdserve.launch.worker import DECODE, PREFILL, Worker, WorkerInfo, gather_refs
+from pdserve.worker_spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
 

@@ -160,9 +160,9 @@ class Service:
     def _make_pool(self, model_path: str, model_name: str, redis_url: str):
         from pdserve.engine.spec.config import parse_speculative_config
         from pdserve.engine.spec.make import sized
-        from pdserve.engine.worker_spec import WorkerSpec
         from pdserve.launch.pool import WorkerPool
         from pdserve.launch.redis_server import split_password
+        from pdserve.worker_spec import WorkerSpec
 
         s = self.settings
         redis_url, redis_password = split_password(redis_url, s.redis_password)

@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve import defaults
 from pdserve.cluster_secret import ClusterSecret
-from pdserve.engine.worker_spec import WorkerSpec
+from pdserve.worker_spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
 

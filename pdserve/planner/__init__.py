@@ -7,8 +7,8 @@
   hysteresis, cost) and `decide`, the pure decision function over one interval's
   `Observation` and the remembered `PlannerState`.
 - `simulator`: a deterministic discrete-event simulation of the disaggregated service under a
-  request trace, with the planner in the loop; `sim_fleet` holds its simulated workers and
-  the replica timeline, `evaluation` judges a run: SLO attainment, latency, cost.
+  request trace, with the planner in the loop (its simulated workers and the replica
+  timeline included); `evaluation` judges a run: SLO attainment, latency, cost.
 - `traces`: the request traces the simulator serves (steady, bursty, from a file).
 - `live`: `LivePlanner`, the same `decide` applied to a running service.
 - `cli`: `pdserve plan` (compare policies on a trace) and `pdserve profile`.

@@ -17,11 +17,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.engine.worker_spec import WorkerSpec
 from pdserve.planner.perf_model import PerfModel
 from pdserve.planner.policy import Decision, Observation, PlannerPolicy, PlannerState, decide
 from pdserve.router.metrics_text import quantile_between, sample_value
 from pdserve.router.router import Router
+from pdserve.worker_spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,9 @@ Model (times from a `PerfModel`; no randomness here — traces carry it, seeded)
 
 Outputs: one `RequestRecord` per request (pdserve.bench.trace, one token per chunk), so
 `pdserve.bench.metrics` computes TTFT / ITL / TPOT and SLO attainment exactly as for a real
-run (`evaluation.evaluate`); replica counts over time; worker-hours and cost per pool (the
-workers and their lifecycle: `sim_fleet`). The run ends when the last request finishes.
+run (`evaluation.evaluate`); replica counts over time (the pool sizes, recorded whenever they
+change); worker-hours and cost per pool (a worker costs from the decision that adds it,
+`born_s`, until it stops). The run ends when the last request finishes.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ import logging
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pdserve.bench.metrics import percentile
 from pdserve.bench.trace import RequestRecord
@@ -47,7 +49,6 @@ from pdserve.planner.policy import (
     PlannerState,
     decide,
 )
-from pdserve.planner.sim_fleet import ReplicaPoint, SimFleet, SimSeq, SimWorker
 from pdserve.planner.traces import TraceRequest
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,17 @@ class SimConfig:
                 raise ValueError(f"{name} must be >= 1 (or None), got {v}")
 
 
+class ReplicaPoint(NamedTuple):
+    """Pool sizes from `time_s` on (recorded when they change): targets (what the planner
+    asked, workers starting included) and workers ready to serve."""
+
+    time_s: float
+    prefill: int
+    decode: int
+    prefill_ready: int
+    decode_ready: int
+
+
 @dataclass(frozen=True)
 class SimResult:
     policy: PlannerPolicy
@@ -82,6 +94,91 @@ class SimResult:
     cost: float
 
 
+@dataclass(eq=False)
+class _Seq:
+    index: int  # the request's position in the trace
+    context: int  # tokens in the KV cache
+    remaining: int  # decode tokens still to generate
+
+
+@dataclass(eq=False)
+class _Worker:
+    wid: int
+    role: str
+    born_s: float
+    ready: bool = False
+    draining: bool = False
+    stopped_s: float | None = None
+    busy: bool = False  # prefill: serving a request; decode: a step is running
+    running: list[_Seq] = field(default_factory=list)  # decode batch
+    pending: list[_Seq] = field(default_factory=list)  # join at the next step boundary
+
+    @property
+    def active(self) -> bool:
+        """Counts toward the pool's size: not draining, not stopped."""
+        return not self.draining and self.stopped_s is None
+
+    @property
+    def load(self) -> int:
+        return len(self.running) + len(self.pending) if self.role == "decode" else int(self.busy)
+
+
+class _Fleet:
+    """The simulated workers of both pools, their lifecycle (the module docstring's **Planner**
+    bullet) and the replica timeline."""
+
+    def __init__(self) -> None:
+        self.workers: list[_Worker] = []
+        self.timeline: list[ReplicaPoint] = []
+
+    def pool(self, role: str) -> list[_Worker]:
+        return [w for w in self.workers if w.role == role and w.active]
+
+    def add(self, role: str, now: float, ready: bool) -> _Worker:
+        w = _Worker(len(self.workers), role, now, ready=ready)
+        self.workers.append(w)
+        return w
+
+    def remove(self, role: str, now: float) -> None:
+        starting = [w for w in self.pool(role) if not w.ready]
+        victim = starting[-1] if starting else min(
+            self.pool(role), key=lambda w: (w.load, -w.wid))
+        victim.draining = True
+        if not victim.ready or victim.load == 0:
+            victim.stopped_s = now
+
+    def resize(self, role: str, target: int, now: float, ready: bool) -> list[_Worker]:
+        """Add or remove workers of `role` until it has `target`; the workers added."""
+        added = []
+        while len(self.pool(role)) < target:
+            added.append(self.add(role, now, ready))
+        while len(self.pool(role)) > target:
+            self.remove(role, now)
+        return added
+
+    def record_replicas(self, now: float) -> None:
+        p, d = self.pool("prefill"), self.pool("decode")
+        point = ReplicaPoint(now, len(p), len(d), sum(w.ready for w in p),
+                             sum(w.ready for w in d))
+        last = self.timeline[-1] if self.timeline else None
+        if last is not None and (last.prefill, last.decode, last.prefill_ready,
+                                 last.decode_ready) == point[1:]:
+            return  # only changes are recorded
+        if last is not None and last.time_s == now:
+            self.timeline[-1] = point
+        else:
+            self.timeline.append(point)
+
+    def worker_hours(self, end: float) -> dict[str, float]:
+        """Per role, each worker from its decision to its stop (or `end`), starting and
+        draining time included."""
+        hours = {role: 0.0 for role in ROLES}
+        for w in self.workers:
+            stop = end if w.stopped_s is None else min(w.stopped_s, end)
+            hours[w.role] += max(stop - w.born_s, 0.0) / 3600
+        return hours
+
+
 class _Simulation:
     """Mutable simulation state; owned by `simulate` for one run."""
 
@@ -90,7 +187,7 @@ class _Simulation:
         self.trace, self.policy, self.perf, self.config = list(trace), policy, perf, config
         self.events: list[tuple[float, int, int, object]] = []
         self.counter = itertools.count()
-        self.fleet = SimFleet()
+        self.fleet = _Fleet()
         self.queue: deque[int] = deque()
         self.token_times: list[list[float]] = [[] for _ in self.trace]
         self.num_done = 0
@@ -124,7 +221,7 @@ class _Simulation:
                 done = self.now + self.perf.prefill_time(self.trace[i].input_tokens)
                 self.push(done, _PREFILL_DONE, (w, i))
 
-    def prefill_done(self, w: SimWorker, i: int) -> None:
+    def prefill_done(self, w: _Worker, i: int) -> None:
         w.busy = False
         if w.draining:
             w.stopped_s = self.now
@@ -137,14 +234,14 @@ class _Simulation:
             ready = [d for d in self.fleet.pool("decode") if d.ready]
             assert ready, "the decode pool always keeps a ready worker"
             target = min(ready, key=lambda d: (d.load, d.wid))
-            target.pending.append(SimSeq(i, req.input_tokens + 1, req.output_tokens - 1))
+            target.pending.append(_Seq(i, req.input_tokens + 1, req.output_tokens - 1))
             if not target.busy:
                 self.start_step(target)
         self.dispatch_prefill()
 
     # -- decode -------------------------------------------------------------------------------
 
-    def start_step(self, w: SimWorker) -> None:
+    def start_step(self, w: _Worker) -> None:
         w.running.extend(w.pending)
         w.pending.clear()
         if not w.running:
@@ -156,7 +253,7 @@ class _Simulation:
         context = sum(s.context for s in w.running) / len(w.running)
         self.push(self.now + self.perf.decode_step_time(len(w.running), context), _STEP_DONE, w)
 
-    def step_done(self, w: SimWorker) -> None:
+    def step_done(self, w: _Worker) -> None:
         still = []
         for s in w.running:
             times = self.token_times[s.index]
@@ -234,7 +331,7 @@ class _Simulation:
         elif kind == _STEP_DONE:
             self.step_done(payload)  # type: ignore[arg-type]
         elif kind == _READY:
-            w: SimWorker = payload  # type: ignore[assignment]
+            w: _Worker = payload  # type: ignore[assignment]
             if w.stopped_s is None:
                 w.ready = True
                 self.fleet.record_replicas(self.now)

@@ -22,10 +22,10 @@ import pytest
 from pdserve.cluster_secret import ClusterSecret
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.worker_spec import WorkerSpec
 from pdserve.launch.pool import WorkerPool
 from pdserve.launch.worker import WorkerInfo
 from pdserve.proto import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.worker_spec import WorkerSpec
 from tests.ray_cluster import local_cluster
 from tests.workers.pd import engine_config, run_engine
 

@@ -28,7 +28,6 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from pdserve.decode_worker.group import start_decode_rank
 from pdserve.decode_worker.service import DecodeService
 from pdserve.engine.models.parallel import TensorParallel
-from pdserve.engine.worker_spec import WorkerSpec
 from pdserve.kvtransfer.rendezvous import GlooListener
 from pdserve.launch.settings import ServeSettings
 from pdserve.prefill_worker.service import PrefillService
@@ -40,6 +39,7 @@ from pdserve.router.validation import ModelContext
 from pdserve.router.workers import worker_channel
 from pdserve.tls import TLSFiles
 from pdserve.worker_grpc import TLS_CHANNEL_OPTIONS, WORKER_TLS_NAME, bind, worker_server
+from pdserve.worker_spec import WorkerSpec
 from tests.faults.router_fakes import FakePrefill, collect, request
 from tests.faults.worker_plane import AUTH, SECRET, worker_spec
 

@@ -23,11 +23,11 @@ from pdserve.decode_worker.actor import tp_group
 from pdserve.decode_worker.group import start_decode_rank
 from pdserve.decode_worker.service import DecodeService
 from pdserve.engine.models.parallel import TensorParallel
-from pdserve.engine.worker_spec import WorkerSpec
 from pdserve.kvtransfer.descriptor import Endpoint
 from pdserve.kvtransfer.rendezvous import GlooListener
 from pdserve.prefill_worker.service import PrefillService
 from pdserve.proto import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.worker_spec import WorkerSpec
 from tests.workers.pd import MODEL_NAME
 from tests.workers.processes import Host, free_port
 

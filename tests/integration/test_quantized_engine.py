@@ -11,7 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pdserve.engine.loader import _LINEAR_WEIGHT
+from pdserve.engine.models.parallel import ParallelLinear
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kernels.cpu.quant_linear import Int4Linear
 from pdserve.kernels.quant_weights import dequantize, quantize
 from pdserve.llm import LLM
 from tests.integration.hf_reference import mixed_prompts
@@ -74,8 +76,10 @@ def test_gguf_serves_the_bundled_q4_1_blocks_as_int4(smollm2_dir):
     dense checkpoint converted from the same GGUF does (same values, other kernels)."""
     gguf = engine(smollm2_dir, quantization="gguf")
     dense = engine(smollm2_dir)
-    linears = [m for m in gguf.engine.core.runner.model.modules() if hasattr(m, "quantized")]
-    assert linears and all(m.quantized.kind == "int4" and m.weight is None for m in linears)
+    linears = [m for m in gguf.engine.core.runner.model.modules()
+               if isinstance(m, ParallelLinear)]
+    assert linears and all(isinstance(m.kernel, Int4Linear) and m.weight is None
+                           for m in linears)
     prompts = [gguf.tokenizer("The capital of France is").input_ids,
                gguf.tokenizer("def fibonacci(n):").input_ids]
     got, want = gguf.generate(prompts, GREEDY), dense.generate(prompts, GREEDY)

@@ -20,16 +20,16 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pdserve.kernels.pack_blocks import _pack_blocks_kernel
-from pdserve.kernels.paged_decode_attention import (
+from pdserve.kernels.triton.pack_blocks import _pack_blocks_kernel
+from pdserve.kernels.triton.paged_decode_attention import (
     _paged_decode_attention_kernel,
     _paged_decode_merge_kernel,
 )
-from pdserve.kernels.paged_prefill_attention import _paged_prefill_attention_kernel
-from pdserve.kernels.quant_linear import _quant_linear_kernel
-from pdserve.kernels.rms_norm import _rms_norm_kernel
-from pdserve.kernels.rotary_embedding import _rotary_embedding_kernel
-from pdserve.kernels.store_kv import _store_kv_kernel
+from pdserve.kernels.triton.paged_prefill_attention import _paged_prefill_attention_kernel
+from pdserve.kernels.triton.quant_linear import _quant_linear_kernel
+from pdserve.kernels.triton.rms_norm import _rms_norm_kernel
+from pdserve.kernels.triton.rotary_embedding import _rotary_embedding_kernel
+from pdserve.kernels.triton.store_kv import _store_kv_kernel
 
 FLOAT_ARGS = {"qk_scale", "eps"}
 

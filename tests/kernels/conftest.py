@@ -15,12 +15,12 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from pdserve.kernels import checks  # noqa: E402
+from pdserve.kernels.triton import launch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _interpreted_kernels():
-    if not checks.interpreting():
+    if not launch.interpreting():
         pytest.fail(
             "kernels was imported before TRITON_INTERPRET=1 was set, so its Triton kernels "
             "were defined for a GPU; set TRITON_INTERPRET=1 in the environment or in "

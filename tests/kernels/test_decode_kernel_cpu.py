@@ -1,4 +1,4 @@
-"""The C paged decode attention (`kernels/paged_decode_attention_cpu.c`) against the reference.
+"""The C paged decode attention (`kernels/cpu/paged_decode_attention.c`) against the reference.
 
 Bounds (relative norm error against the reference evaluated in fp32 on the same inputs):
 fp32 1e-5; bf16 1e-2 (the output is rounded to bf16). Unowned cache slots hold NaN, so a
@@ -11,10 +11,10 @@ import pytest
 import torch
 from paged_case import finite, make_case, rel_err
 
-from pdserve.kernels import native
-from pdserve.kernels.paged_decode_attention import paged_decode_attention_ref
-from pdserve.kernels.paged_decode_attention_cpu import available, paged_decode_attention_cpu
-from pdserve.kernels.registry import CPU_BACKEND, get_backend
+from pdserve.kernels.backend import get_backend
+from pdserve.kernels.cpu import build
+from pdserve.kernels.cpu.paged_attention import available, paged_decode_attention_cpu
+from pdserve.kernels.reference.paged_attention import paged_decode_attention_ref
 
 BOUND = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 LENS = [1, 700, 37, 16, 129]
@@ -23,7 +23,7 @@ LENS = [1, 700, 37, 16, 129]
 @pytest.fixture(scope="module", autouse=True)
 def built():
     """A machine that runs the tests has a C compiler: not building is a failure, not a skip."""
-    assert available(), f"the C kernel did not build (compiler {native._compiler()})"
+    assert available(), f"the C kernel did not build (compiler {build._compiler()})"
 
 
 def _ref(case, q):
@@ -135,23 +135,24 @@ def test_rejects_bad_inputs():
 
 
 def test_cpu_backend_is_the_default_and_falls_back_for_fp16():
-    assert get_backend(torch.device("cpu")) is CPU_BACKEND
+    cpu = get_backend(torch.device("cpu"))
+    assert cpu.name == "cpu"
     case = finite(make_case([40, 3], 16, 2, 64, torch.float16, seed=5))  # the reference reads
     q = torch.randn(2, 4, 64).half()  # unowned slots with weight 0: they must be finite
-    out = CPU_BACKEND.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables,
-                                            case.context_lens, 0.125)
+    out = cpu.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables,
+                                     case.context_lens, 0.125)
     assert rel_err(out, _ref(case, q)) < 2e-3
 
 
 def test_disabled_by_env_means_the_torch_backend(monkeypatch, tmp_path):
-    monkeypatch.setenv(native.DISABLE_ENV, "0")
-    native.load.cache_clear()
-    native.function.cache_clear()
+    monkeypatch.setenv(build.DISABLE_ENV, "0")
+    build.load.cache_clear()
+    build.function.cache_clear()
     try:
-        assert native.load("paged_decode_attention_cpu") is None
+        assert build.load("paged_decode_attention") is None
         assert get_backend(torch.device("cpu")).name == "torch"
     finally:
         monkeypatch.undo()
-        native.load.cache_clear()
-        native.function.cache_clear()
-    assert get_backend(torch.device("cpu")) is CPU_BACKEND
+        build.load.cache_clear()
+        build.function.cache_clear()
+    assert get_backend(torch.device("cpu")).name == "cpu"

@@ -1,5 +1,5 @@
-"""A bf16 decoder layer as one C call per step (kernels.decoder_layer_cpu, through
-engine.models.cpu_layers) against the model's modules: the same kernels in the same order, so
+"""A bf16 decoder layer as one C call per step (kernels.cpu.decoder_layers, the CPU backend's
+`decoder_layers`) against the model's modules: the same kernels in the same order, so
 hidden states and K/V caches must be bit-identical, on mixed steps (decodes beside a prefill
 chunk after a cached prefix), with QKV bias (Qwen2), split in halves under tensor parallelism,
 and a bad slot must fail before any K/V is written."""
@@ -20,9 +20,10 @@ from pdserve.engine.config import CacheConfig, EngineConfig, load_model_config
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.parallel import TensorParallel
 from pdserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from pdserve.kernels import decoder_layer_cpu
+from pdserve.kernels.cpu import decoder_layers
+from pdserve.kernels.decoder_layers import DecoderLayers
 
-pytestmark = pytest.mark.skipif(not decoder_layer_cpu.available(),
+pytestmark = pytest.mark.skipif(not decoder_layers.available(),
                                 reason="no blocked bf16 linear here (neither AVX512-BF16 nor AVX2)")
 
 PROMPT_A = tuple(range(100, 137))  # 37 tokens: 3 blocks of 16
@@ -56,18 +57,28 @@ def forward(runner: ModelRunner, plan: SchedulerOutput) -> torch.Tensor:
         return runner.model(input_ids, positions, runner.kv_caches, meta)
 
 
+def forward_modules(runner: ModelRunner, plan: SchedulerOutput) -> torch.Tensor:
+    """The same step with the layers run as modules (the reference `decoder_layers`)."""
+    model = runner.model
+    input_ids, positions, meta, _ = runner._prepare(plan)
+    with torch.inference_mode():
+        hidden = model.embed_tokens(input_ids)
+        hidden, residual = DecoderLayers.forward(model.layers, hidden, positions,
+                                                 runner.kv_caches, meta)
+        return model.norm(hidden, residual)[0]
+
+
 def run_both(model_dir, tp=None, threads=2):
     """(hidden states per step, caches) through the C layers, then through the modules, and
     the runner."""
     runner = make_runner(model_dir, tp, threads)
-    assert runner.model.cpu_layers is not None
+    assert runner.model.layers.fused is not None
     fused = [forward(runner, plan) for plan in STEPS]
     fused_caches = [tuple(t.clone() for t in pair) for pair in runner.kv_caches]
     for pair in runner.kv_caches:
         for t in pair:
             t.fill_(float("nan"))  # what the modules do not write stays NaN and fails equal
-    runner.model.cpu_layers = None
-    modules = [forward(runner, plan) for plan in STEPS]
+    modules = [forward_modules(runner, plan) for plan in STEPS]
     return fused, fused_caches, modules, runner
 
 
@@ -92,9 +103,9 @@ def test_one_call_per_layer_is_bit_identical_to_the_modules(model, request):
 def test_halves_are_the_whole_layer(tiny_llama_dir):
     """ATTENTION then MLP (the calls a TP rank makes, all-reduce between) = both at once."""
     runner = make_runner(tiny_llama_dir)
-    layers = runner.model.cpu_layers
+    layers = runner.model.layers
     whole = forward(runner, STEPS[0])
-    layers.parts = (decoder_layer_cpu.ATTENTION, decoder_layer_cpu.MLP)
+    layers.parts = (decoder_layers.ATTENTION, decoder_layers.MLP)
     assert torch.equal(forward(runner, STEPS[0]), whole)
 
 
@@ -112,14 +123,14 @@ def test_a_slot_past_the_cache_fails_before_writing(tiny_llama_dir):
 def test_int8_caches_and_quantized_weights_keep_the_modules(tiny_llama_dir):
     runner = make_runner(tiny_llama_dir)
     int8 = [tuple(t.to(torch.int8) for t in pair) + pair for pair in runner.kv_caches]
-    assert runner.model.cpu_layers.takes(runner.kv_caches)
-    assert not runner.model.cpu_layers.takes(int8)
+    assert decoder_layers._plain_bf16(runner.kv_caches)
+    assert not decoder_layers._plain_bf16(int8)
     config = EngineConfig(
         model=load_model_config(tiny_llama_dir, dtype="bfloat16", max_model_len=256,
                                 quantization="int8"),
         cache=CacheConfig(block_size=16, num_blocks=32), num_threads=1, kernel_backend="cpu",
     )
-    assert ModelRunner(config).model.cpu_layers is None
+    assert ModelRunner(config).model.layers.fused is None
 
 
 def _free_port() -> int:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from pdserve.kernels import packed_linear
-from pdserve.kernels.huge_pages import ALIGN, HUGE_PAGE, Arena
+from pdserve.kernels.cpu import packed_linear
+from pdserve.kernels.cpu.huge_pages import ALIGN, HUGE_PAGE, Arena
 
 
 def _mapping_of(address: int) -> tuple[int, int, str] | None:
@@ -76,5 +76,5 @@ def test_the_memory_is_in_huge_pages_where_the_kernel_allows():
 def test_pack_into_an_arena_is_pack():
     weight = torch.randn(128, 96).bfloat16()
     arena = Arena([packed_linear.blocked_bytes(weight)])
-    assert torch.equal(packed_linear.pack(weight, arena), packed_linear.pack(weight))
+    assert torch.equal(packed_linear.pack(weight, arena).packed, packed_linear.pack(weight).packed)
     assert packed_linear.blocked_bytes(torch.randn(128, 96)) == 0  # fp32 is never packed

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.kernels.registry import TRITON_BACKEND
+from pdserve.kernels.backend import get_backend
 
 
 def _benchmark_module():
@@ -29,7 +29,8 @@ def test_benchmark_rows_for_every_triton_kernel(capsys):
     tiny = bench.Dims(heads=4, kv_heads=2, head_dim=64, hidden=64, decode_seqs=2,
                       decode_context=40, prefill_seqs=1, prefill_len=20, dtype=torch.float16)
     gen = torch.Generator().manual_seed(0)
-    rows = bench.kernel_rows(TRITON_BACKEND, torch.device("cpu"), tiny, bench.time_cpu, 1, gen)
+    triton = get_backend("cpu", "triton")
+    rows = bench.kernel_rows(triton, torch.device("cpu"), tiny, bench.time_cpu, 1, gen)
     names = [r.name for r in rows]
     assert names[:2] == ["decode attn, kv float16", "decode attn, kv int8"]
     assert {"prefill attn", "store_kv", "rms_norm + residual", "pack_blocks"} <= set(names)

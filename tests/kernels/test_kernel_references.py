@@ -12,11 +12,13 @@ import pytest
 import torch
 from paged_case import make_case, rel_err
 
-from pdserve.kernels import paged_kv
-from pdserve.kernels.paged_decode_attention import paged_decode_attention_ref
-from pdserve.kernels.paged_prefill_attention import paged_prefill_attention_ref
-from pdserve.kernels.rms_norm import rms_norm_ref
-from pdserve.kernels.rotary_embedding import rotary_embedding_ref
+from pdserve.kernels.reference import paged_attention
+from pdserve.kernels.reference.paged_attention import (
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+)
+from pdserve.kernels.reference.rms_norm import rms_norm_ref
+from pdserve.kernels.reference.rotary_embedding import rotary_embedding_ref
 
 BOUND = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
@@ -44,7 +46,7 @@ def dense_attention(q, keys, values, scale, positions=None):
 def test_decode_reference_matches_dense(dtype, block_size, group, num_kv_heads, chunk_bytes,
                                         monkeypatch):
     if chunk_bytes is not None:
-        monkeypatch.setattr(paged_kv, "CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(paged_attention, "CHUNK_BYTES", chunk_bytes)
     lens = [37, 1, 2000, 16, 300]
     case = make_case(lens, block_size, num_kv_heads, 64, dtype, seed=group, garbage=1e4)
     q = torch.randn(len(lens), group * num_kv_heads, 64).to(dtype)

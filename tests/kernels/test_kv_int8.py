@@ -12,17 +12,15 @@ import torch
 from paged_case import finite, make_case, quantize_case, rel_err
 
 from pdserve.kernels.kv_quant import allocate_kv_cache, kv_cache_bytes_per_token
-from pdserve.kernels.paged_decode_attention import (
-    paged_decode_attention_int8,
+from pdserve.kernels.reference.paged_attention import (
     paged_decode_attention_int8_ref,
     paged_decode_attention_ref,
-)
-from pdserve.kernels.paged_prefill_attention import (
-    paged_prefill_attention_int8,
     paged_prefill_attention_int8_ref,
     paged_prefill_attention_ref,
 )
-from pdserve.kernels.store_kv import store_kv_int8
+from pdserve.kernels.triton.paged_decode_attention import paged_decode_attention_int8
+from pdserve.kernels.triton.paged_prefill_attention import paged_prefill_attention_int8
+from pdserve.kernels.triton.store_kv import store_kv_int8
 
 
 @pytest.mark.parametrize("num_kv_heads,head_dim", [(3, 64), (8, 128)])

@@ -1,4 +1,4 @@
-"""The C rms_norm and rotary_embedding (`kernels/*_cpu.c`) against their torch references.
+"""The C rms_norm and rotary_embedding (`kernels/cpu/*.c`) against their torch references.
 
 Rotary rounds where the reference rounds: bit-identical in fp32 and bf16. rms_norm sums the
 squares in another order, so its fp32 rsqrt may differ in the last bits: within 8 fp32 steps,
@@ -11,8 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.rms_norm import rms_norm_cpu, rms_norm_ref
-from pdserve.kernels.rotary_embedding import rotary_embedding_cpu, rotary_embedding_ref
+from pdserve.kernels.cpu.rms_norm import rms_norm_cpu
+from pdserve.kernels.cpu.rotary_embedding import rotary_embedding_cpu
+from pdserve.kernels.reference.rms_norm import rms_norm_ref
+from pdserve.kernels.reference.rotary_embedding import rotary_embedding_ref
 
 STEP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7}
 STEPS = {torch.float32: 8, torch.bfloat16: 2}

@@ -14,8 +14,10 @@ import pytest
 import torch
 from paged_case import rel_err
 
-from pdserve.kernels.rms_norm import rms_norm, rms_norm_ref
-from pdserve.kernels.rotary_embedding import rotary_embedding, rotary_embedding_ref
+from pdserve.kernels.reference.rms_norm import rms_norm_ref
+from pdserve.kernels.reference.rotary_embedding import rotary_embedding_ref
+from pdserve.kernels.triton.rms_norm import rms_norm
+from pdserve.kernels.triton.rotary_embedding import rotary_embedding
 
 EPS = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
 STEPS = {torch.float32: 8, torch.float16: 2}

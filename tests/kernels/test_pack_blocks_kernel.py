@@ -5,12 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.pack_blocks import (
-    pack_blocks,
-    pack_blocks_ref,
-    unpack_blocks,
-    unpack_blocks_ref,
-)
+from pdserve.kernels.reference.pack_blocks import pack_blocks_ref, unpack_blocks_ref
+from pdserve.kernels.triton.pack_blocks import pack_blocks, unpack_blocks
 
 
 def _caches(dtype, shape, seed=0):

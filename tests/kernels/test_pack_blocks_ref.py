@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.pack_blocks import pack_blocks_ref, unpack_blocks_ref
+from pdserve.kernels.reference.pack_blocks import pack_blocks_ref, unpack_blocks_ref
 
 SHAPE = (10, 16, 4, 32)  # [num_blocks, block_size, num_kv_heads, head_dim]
 IDS = torch.tensor([7, 0, 3, 9])

@@ -1,4 +1,4 @@
-"""Linears on weights packed once (kernels.packed_linear: the blocked kernel, on AVX512-BF16 or
+"""Linears on weights packed once (kernels.cpu.packed_linear: the blocked kernel, on AVX512-BF16 or
 AVX2, or oneDNN's layout) against F.linear."""
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ import torch.nn.functional as F
 from paged_case import rel_err
 
 from pdserve import LLM, SamplingParams
-from pdserve.kernels import packed_linear
+from pdserve.engine.models.parallel import ParallelLinear
+from pdserve.kernels.cpu import packed_linear
+from pdserve.kernels.reference.linear import DenseLinear
 
 blocked = pytest.mark.skipif(not packed_linear.blocked_available(),
                              reason="this CPU has neither AVX512-BF16 nor AVX2: no blocked kernel")
@@ -31,33 +33,33 @@ def test_packed_matches_f_linear(rows, with_bias, out_features):
     cols = packed_linear.tile_cols()
     blocked = bool(cols) and out_features % cols == 0
     assert packed_linear.can_pack(w) == (blocked or onednn_bf16)
-    packed = packed_linear.pack(w) if blocked or onednn_bf16 else w
+    kernel = packed_linear.pack(w) if blocked or onednn_bf16 else DenseLinear(w)
     if blocked:
-        assert packed.shape == (out_features // cols, 40, cols, 2)
+        assert kernel.packed.shape == (out_features // cols, 40, cols, 2)
     else:
-        assert packed.is_mkldnn == onednn_bf16
-    out = packed_linear.linear(x, packed, b)
+        assert isinstance(kernel, packed_linear.OneDnnLinear if onednn_bf16 else DenseLinear)
+    out = kernel(x, b)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
     assert rel_err(out, F.linear(x.float(), w.float(), None if b is None else b.float())) < 1e-2
     if blocked and onednn_bf16:
-        onednn = torch.ops.mkldnn._reorder_linear_weight(w, 32)
-        assert rel_err(out, packed_linear.linear(x, onednn, b)) < 5e-3
+        onednn = packed_linear.OneDnnLinear(torch.ops.mkldnn._reorder_linear_weight(w, 32))
+        assert rel_err(out, onednn(x, b)) < 5e-3
 
 
 @blocked
 def test_blocked_takes_any_leading_dims_and_no_rows():
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(64, 32, generator=gen).bfloat16()
-    packed = packed_linear.pack(w)
+    kernel = packed_linear.pack(w)
     x = torch.randn(2, 3, 32, generator=gen).bfloat16()[:, ::2]  # strided
-    out = packed_linear.linear(x, packed)
+    out = kernel(x)
     assert out.shape == (2, 2, 64)
     assert rel_err(out, F.linear(x.float(), w.float())) < 1e-2
-    assert packed_linear.linear(x[:0], packed).shape == (0, 2, 64)
+    assert kernel(x[:0]).shape == (0, 2, 64)
     with pytest.raises(ValueError, match="x must be bfloat16"):
-        packed_linear.linear(x.float(), packed)
+        kernel(x.float())
     with pytest.raises(ValueError, match="bias must be"):
-        packed_linear.linear(x, packed, torch.zeros(63, dtype=torch.bfloat16))
+        kernel(x, torch.zeros(63, dtype=torch.bfloat16))
 
 
 def test_fp32_is_never_packed():
@@ -73,9 +75,9 @@ def test_the_cpu_backend_packs_bf16_models(tiny_llama_dir):
         llm = LLM(model=str(tiny_llama_dir), dtype="bfloat16", num_threads=2, num_kv_blocks=16,
                   max_model_len=256, kernel_backend=backend)
         model = llm.engine.core.runner.model
-        weight = model.layers[0].mlp.gate_up_proj.weight
-        assert (weight.is_mkldnn or weight.dim() == 4) == (backend == "cpu")
-        packed = [p for p in model.parameters() if p.dim() == 4]  # one huge-page arena
+        kernels = [m.kernel for m in model.modules() if isinstance(m, ParallelLinear)]
+        assert all(isinstance(k, DenseLinear) != (backend == "cpu") for k in kernels)
+        packed = [k.packed for k in kernels if isinstance(k, packed_linear.BlockedLinear)]
         assert len({p.untyped_storage().data_ptr() for p in packed}) == (1 if packed else 0)
         outputs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outputs["cpu"] == outputs["torch"]

@@ -10,10 +10,8 @@ import pytest
 import torch
 from paged_case import finite, make_case, rel_err
 
-from pdserve.kernels.paged_prefill_attention import (
-    paged_prefill_attention,
-    paged_prefill_attention_ref,
-)
+from pdserve.kernels.reference.paged_attention import paged_prefill_attention_ref
+from pdserve.kernels.triton.paged_prefill_attention import paged_prefill_attention
 
 BOUND = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from paged_case import finite, make_case, rel_err
 
-from pdserve.kernels.paged_prefill_attention import paged_prefill_attention_ref
-from pdserve.kernels.paged_prefill_attention_cpu import paged_prefill_attention_cpu
-from pdserve.kernels.registry import CPU_BACKEND
+from pdserve.kernels.backend import get_backend
+from pdserve.kernels.cpu.paged_attention import paged_prefill_attention_cpu
+from pdserve.kernels.reference.paged_attention import paged_prefill_attention_ref
 
 BOUND = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 # (query_len, context_len): a 1-token prompt; a chunk after a long cached prefix; whole prompts
@@ -76,4 +76,4 @@ def test_each_sequence_sees_only_its_own_causal_past():
 
 
 def test_is_the_cpu_backends():
-    assert CPU_BACKEND.paged_prefill_attention is paged_prefill_attention_cpu
+    assert get_backend("cpu", "cpu").paged_prefill_attention is paged_prefill_attention_cpu

@@ -17,8 +17,9 @@ import re
 import pytest
 import torch
 
-from pdserve.kernels.quant_linear import quant_linear, quant_linear_ref
 from pdserve.kernels.quant_weights import QuantizedWeight, quantize, unpack_int4
+from pdserve.kernels.reference.quant_linear import quant_linear_ref
+from pdserve.kernels.triton.quant_linear import quant_linear
 
 IN, OUT = 256, 80  # OUT is not a multiple of the 32- or 64-wide column block
 TOL = 2.0**-20

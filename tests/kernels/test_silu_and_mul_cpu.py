@@ -1,4 +1,4 @@
-"""The C silu_and_mul (`kernels/silu_and_mul_cpu.c`) against its torch reference.
+"""The C silu_and_mul (`kernels/cpu/silu_and_mul.c`) against its torch reference.
 
 bf16: the sigmoid's exp is within ~1 fp32 ulp of torch's, so a rounding to bf16 may flip: each
 output within 2 bf16 steps of the reference (silu's rounding, then the product's), and nearly
@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.silu_and_mul import silu_and_mul_cpu, silu_and_mul_ref
+from pdserve.kernels.cpu.silu_and_mul import silu_and_mul_cpu
+from pdserve.kernels.reference.silu_and_mul import silu_and_mul_ref
 
 
 @pytest.mark.parametrize("rows", [1, 7, 100])  # 100: split over the OpenMP threads

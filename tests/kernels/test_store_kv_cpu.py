@@ -1,11 +1,12 @@
-"""The C store_kv (`kernels/store_kv_cpu.c`) against the torch reference: bit-identical."""
+"""The C store_kv (`kernels/cpu/store_kv.c`) against the torch reference: bit-identical."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pdserve.kernels.store_kv import store_kv_cpu, store_kv_ref
+from pdserve.kernels.cpu.store_kv import store_kv_cpu
+from pdserve.kernels.reference.store_kv import store_kv_ref
 
 
 def _caches(dtype, num_blocks=20, block_size=16, num_kv_heads=3, head_dim=64):

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from pdserve.kernels.kv_quant import allocate_kv_cache, dequantize_kv_ref
-from pdserve.kernels.store_kv import store_kv, store_kv_int8, store_kv_int8_ref, store_kv_ref
+from pdserve.kernels.reference.store_kv import store_kv_int8_ref, store_kv_ref
+from pdserve.kernels.triton.store_kv import store_kv, store_kv_int8
 
 
 def _inputs(num_tokens, block_size, num_kv_heads, head_dim, num_blocks=7, seed=0):

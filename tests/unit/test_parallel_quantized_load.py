@@ -11,7 +11,9 @@ from pdserve.engine.models.parallel import (
     VocabParallelEmbedding,
     prepare_weights,
 )
+from pdserve.kernels.backend import get_backend
 from pdserve.kernels.quant_weights import dequantize, quantize
+from pdserve.kernels.reference.linear import QuantLinearRef
 
 RANK_1_OF_2 = TensorParallel(rank=1, size=2, group=object())  # loading runs no collective
 KW = {"dtype": torch.float32, "device": torch.device("cpu")}
@@ -45,7 +47,7 @@ def test_the_torch_backend_keeps_the_layout_and_runs_the_reference():
     layer = RowParallelLinear(64, 16, TensorParallel(), **KW)
     q = quantize(weight(16, 64, 4), 4, 32)
     layer.load("weight", q)
-    prepare_weights(layer, pack=False)
+    prepare_weights(layer, get_backend("cpu", "torch"), torch.float32)
     x = torch.randn(3, 64)
-    assert layer.quantized is not None and layer.quantized.shape == (16, 64)
+    assert isinstance(layer.kernel, QuantLinearRef) and layer.kernel.weight.shape == (16, 64)
     torch.testing.assert_close(layer(x), x @ dequantize(q).t())

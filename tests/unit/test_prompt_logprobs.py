@@ -28,7 +28,7 @@ from pdserve.engine.scheduler_output import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from pdserve.engine.wire import sampling_to_proto
+from pdserve.wire import sampling_to_proto
 from tests.unit.test_scheduler import EOS, VOCAB, FakeRunner
 
 

@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from pdserve.launch.router_count import (
+from pdserve.launch.router_front import RouterSpec
+from pdserve.launch.router_processes import (
     available_cpus,
     cpu_quota,
     default_router_processes,
 )
-from pdserve.launch.router_front import RouterSpec
 from pdserve.launch.service import Service
 from pdserve.launch.settings import ServeSettings
 from pdserve.router.config import RouterConfig

@@ -15,8 +15,7 @@ from pdserve.planner import cli
 from pdserve.planner.evaluation import evaluate
 from pdserve.planner.perf_model import PerfModel, fit_decode
 from pdserve.planner.policy import PlannerPolicy
-from pdserve.planner.sim_fleet import ReplicaPoint
-from pdserve.planner.simulator import SimConfig, simulate
+from pdserve.planner.simulator import ReplicaPoint, SimConfig, simulate
 from pdserve.planner.traces import (
     TraceRequest,
     bursty_trace,

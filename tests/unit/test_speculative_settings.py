@@ -14,10 +14,10 @@ import yaml
 
 from pdserve.cli import main as cli_main
 from pdserve.engine.spec.config import SpeculativeConfig, parse_speculative_config
-from pdserve.engine.worker_spec import WorkerSpec
 from pdserve.launch.service import Service
 from pdserve.launch.settings import ServeSettings
 from pdserve.llm import LLM
+from pdserve.worker_spec import WorkerSpec
 from tests.tiny_models import write_tiny_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}

@@ -1,0 +1,172 @@
+"""The one kernel dispatch: a backend per device kind owns every op the model calls.
+
+`get_backend(device)` picks, once, when the model runner starts:
+
+    torch   the references alone (`kernels.reference`): the oracle, and any device
+    cpu     the C kernels (`kernels.cpu`), picked on a CPU where the C compiler built them
+    triton  the Triton kernels (`kernels.triton`), picked on CUDA (and on CPU tensors under
+            TRITON_INTERPRET=1, for the kernel tests)
+
+`KernelBackend` is the contract and the `torch` backend at once: every op as its plain-torch
+reference. The other backends subclass it and override the ops they have kernels for; an op
+they leave alone runs its reference (so a kernel can be added one op at a time). The model
+calls `ops.<op>` and never asks what the device, the cache dtype or a weight's layout is:
+
+- weights: `prepare_linears(weights, dtype)` at load turns every linear's loaded weight (dense, or a
+  `QuantizedWeight`) into a `LinearKernel` in the backend's layout (packing, huge pages,
+  quantized ops), called as `kernel(x, bias)` from then on;
+- the layer stack: `decoder_layers(layers)` builds it; `prepare()` binds it after loading;
+- attention: `attention(q, k, v, kv_cache, meta, scale)` stores a step's K/V and attends
+  (int8 or float cache alike); the single ops beside it are what benchmarks and tests call;
+- norms, rotary, activation, the KV store and the KV transfer's block pack/unpack.
+
+A new op (the MoE experts' grouped GEMM, LoRA's shrink/expand, another attention variant) is a
+method here with its reference in `kernels.reference`, overridden where a backend has a kernel.
+Only the chosen room is imported: nothing on the CPU path imports Triton, nothing on the CUDA
+path the C kernels' ctypes glue.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Protocol
+
+import torch
+
+from pdserve.kernels.attention_metadata import AttentionMetadata
+from pdserve.kernels.decoder_layers import DecoderLayers
+from pdserve.kernels.quant_weights import QuantizedWeight
+from pdserve.kernels.reference.linear import DenseLinear, QuantLinearRef
+from pdserve.kernels.reference.pack_blocks import pack_blocks_ref, unpack_blocks_ref
+from pdserve.kernels.reference.paged_attention import (
+    paged_decode_attention_int8_ref,
+    paged_decode_attention_ref,
+    paged_prefill_attention_int8_ref,
+    paged_prefill_attention_ref,
+)
+from pdserve.kernels.reference.rms_norm import rms_norm_ref
+from pdserve.kernels.reference.rotary_embedding import rotary_embedding_ref
+from pdserve.kernels.reference.silu_and_mul import silu_and_mul_ref
+from pdserve.kernels.reference.store_kv import store_kv_int8_ref, store_kv_ref
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("torch", "cpu", "triton")
+Weight = torch.Tensor | QuantizedWeight
+
+
+class LinearKernel(Protocol):
+    """A linear's weight in the layout of the kernel that runs it: y = x W^T (+ bias)."""
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """What it holds (for the weights' bytes as served)."""
+        ...
+
+
+class KernelBackend:
+    """Every op as its plain-torch reference: the `torch` backend (see the module doc).
+
+    The ops take the references' signatures; a backend's own may add keyword-only tuning knobs
+    (e.g. `num_splits`) that callers may ignore. The int8 ops take the scale tensors of
+    `kernels.kv_quant` right after the caches.
+    """
+
+    name = "torch"
+    store_kv = staticmethod(store_kv_ref)
+    paged_decode_attention = staticmethod(paged_decode_attention_ref)
+    paged_prefill_attention = staticmethod(paged_prefill_attention_ref)
+    rms_norm = staticmethod(rms_norm_ref)
+    rotary_embedding = staticmethod(rotary_embedding_ref)
+    silu_and_mul = staticmethod(silu_and_mul_ref)
+    # int8 KV cache (kernels.kv_quant): the scale tensors follow the caches.
+    store_kv_int8 = staticmethod(store_kv_int8_ref)
+    paged_decode_attention_int8 = staticmethod(paged_decode_attention_int8_ref)
+    paged_prefill_attention_int8 = staticmethod(paged_prefill_attention_int8_ref)
+    # KV transfer: one layer's blocks <-> one contiguous buffer.
+    pack_blocks = staticmethod(pack_blocks_ref)
+    unpack_blocks = staticmethod(unpack_blocks_ref)
+    # The model's layer stack (a ModuleList subclass): built by the model, run once per step.
+    decoder_layers = DecoderLayers
+
+    def refuses(self, device: torch.device) -> str | None:
+        """Why this backend cannot run on `device`, or None (the references run anywhere)."""
+        return None
+
+    def prepare_linears(self, weights: Iterable[Weight], dtype: torch.dtype
+                        ) -> Iterator[LinearKernel]:
+        """Each linear's loaded weight in this backend's form, once at load, for activations
+        of `dtype`; a kernel is yielded as soon as it is made, so a caller that drops each
+        loaded weight then holds at most one of them beside the kernels at any time."""
+        for w in weights:
+            yield QuantLinearRef(w) if isinstance(w, QuantizedWeight) else DenseLinear(w)
+
+    def attention(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: tuple[torch.Tensor, ...],  # (k, v) [num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,  # (+ k_scale, v_scale [num_blocks, block_size, Hkv] if int8)
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Store the step's K/V into the cache, then attend: decodes and prefills apart."""
+        int8 = len(kv_cache) == 4
+        store = self.store_kv_int8 if int8 else self.store_kv
+        decode = self.paged_decode_attention_int8 if int8 else self.paged_decode_attention
+        prefill = self.paged_prefill_attention_int8 if int8 else self.paged_prefill_attention
+        store(k, v, *kv_cache, meta.slot_mapping)
+        num_decode = meta.num_decode_tokens
+        parts = []
+        if meta.decode is not None:
+            d = meta.decode
+            parts.append(decode(q[:num_decode], *kv_cache, d.block_tables, d.context_lens,
+                                scale, d.max_context_len))
+        if meta.prefill is not None:
+            p = meta.prefill
+            parts.append(prefill(q[num_decode:], *kv_cache, p.block_tables, p.query_start_loc,
+                                 p.context_lens, scale, p.max_query_len, p.max_context_len))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+# name -> (module of its room, class); the room is imported only when its backend is asked for
+_ROOMS = {"cpu": ("pdserve.kernels.cpu.backend", "CpuBackend"),
+          "triton": ("pdserve.kernels.triton.backend", "TritonBackend")}
+
+
+@functools.cache
+def _backend(name: str) -> KernelBackend:
+    if name == "torch":
+        return KernelBackend()
+    module, cls = _ROOMS[name]
+    return getattr(importlib.import_module(module), cls)()
+
+
+def get_backend(device: torch.device | str, name: str | None = None) -> KernelBackend:
+    """`name` None picks by device; an explicit name is honoured or refused with the reason.
+
+    `cpu` needs the C kernels built (a C compiler; see `kernels.cpu.build`).
+
+    `triton` needs a CUDA device, or CPU tensors with TRITON_INTERPRET=1 set before the
+    kernels were imported (the kernel tests: ~500x slower than torch, never for serving).
+    """
+    device = torch.device(device)
+    if name is None:
+        if device.type == "cuda":
+            name = "triton"
+        else:
+            name = "cpu" if device.type == "cpu" and _backend("cpu").available() else "torch"
+    if name not in BACKENDS:
+        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {name!r}")
+    backend = _backend(name)
+    why = backend.refuses(device)
+    if why is not None:
+        raise ValueError(why)
+    logger.debug("kernel backend %s on %s", name, device)
+    return backend
+

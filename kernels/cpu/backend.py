@@ -1,0 +1,69 @@
+"""The `cpu` backend: the C kernels of this room where they apply, the references elsewhere."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from pdserve.kernels.backend import KernelBackend, LinearKernel, Weight
+from pdserve.kernels.cpu import huge_pages, packed_linear, quant_linear
+from pdserve.kernels.cpu.decoder_layers import CpuDecoderLayers
+from pdserve.kernels.cpu.paged_attention import (
+    available,
+    paged_decode_attention_cpu,
+    paged_prefill_attention_cpu,
+)
+from pdserve.kernels.cpu.rms_norm import rms_norm_cpu
+from pdserve.kernels.cpu.rotary_embedding import rotary_embedding_cpu
+from pdserve.kernels.cpu.silu_and_mul import silu_and_mul_cpu
+from pdserve.kernels.cpu.store_kv import store_kv_cpu
+from pdserve.kernels.quant_weights import QuantizedWeight
+from pdserve.kernels.reference.linear import DenseLinear
+
+
+class CpuBackend(KernelBackend):
+    """Decode and prefill attention reading K/V in place, RMSNorm, RoPE, SiLU * up and the K/V
+    store in C; bf16 linears packed for `linear_bf16.c` (or oneDNN) in huge pages, quantized
+    ones for torch's int4/int8 CPU ops; a bf16 layer's step as one C call. int8 caches and
+    the KV transfer's block copies run the references (memcpy-bound on a CPU)."""
+
+    name = "cpu"
+    store_kv = staticmethod(store_kv_cpu)
+    paged_decode_attention = staticmethod(paged_decode_attention_cpu)
+    paged_prefill_attention = staticmethod(paged_prefill_attention_cpu)
+    rms_norm = staticmethod(rms_norm_cpu)
+    rotary_embedding = staticmethod(rotary_embedding_cpu)
+    silu_and_mul = staticmethod(silu_and_mul_cpu)
+    decoder_layers = CpuDecoderLayers
+
+    @staticmethod
+    def available() -> bool:
+        """Whether the C kernels built here (a C compiler; see `kernels.cpu.build`)."""
+        return available()
+
+    def refuses(self, device: torch.device) -> str | None:
+        if device.type != "cpu" or not available():
+            return (f"kernel backend 'cpu' needs a CPU device and a C compiler (CC), got "
+                    f"{device}; use backend='torch'")
+        return None
+
+    def prepare_linears(self, weights: Iterable[Weight], dtype: torch.dtype
+                        ) -> Iterator[LinearKernel]:
+        """Quantized weights for torch's int4/int8 ops; bf16 ones packed (`packed_linear`),
+        the blocked ones all in one mapping of huge pages, which every decode step streams
+        through; anything else (fp32: the exact-parity path) as it is."""
+        weights = list(weights)
+        memory = huge_pages.Arena(packed_linear.blocked_bytes(w) for w in weights
+                                  if not isinstance(w, QuantizedWeight))
+        for i, w in enumerate(weights):
+            weights[i] = None  # held by `w` alone until its kernel is made
+            yield self._prepare(w, dtype, memory)
+
+    @staticmethod
+    def _prepare(w: Weight, dtype: torch.dtype, memory: huge_pages.Arena) -> LinearKernel:
+        if isinstance(w, QuantizedWeight):
+            return quant_linear.prepare(w, dtype)
+        if packed_linear.can_pack(w):
+            return packed_linear.pack(w, memory)
+        return DenseLinear(w)

@@ -1,0 +1,134 @@
+/* One decoder layer of a Llama-family model (bf16, CPU backend) as one call per step.
+ *
+ * The model's Python modules make a dozen calls per layer (RMSNorm, the fused QKV projection,
+ * RoPE, the K/V store, attention, the output projection, RMSNorm again, gate/up, SiLU * up,
+ * down), and each costs 5-16 us of wrapper and interpreter time: at a decode step's few rows
+ * that was as much time as the work. Here the same kernels run back to back from C, through
+ * pointers to the very functions their Python wrappers call (`Kernels`, filled from the other
+ * libraries of kernels/cpu/ by decoder_layers.py), so the results are bit-identical to the
+ * module path and no kernel is written twice.
+ *
+ * A step's tokens (decodes and prefill chunks alike) attend through one call of the decode
+ * kernel, one query per token: each token carries its sequence's block table and sees its own
+ * position + 1 cached tokens, which is what the CPU prefill attention does per chunk.
+ *
+ * `parts` says which halves run: ATTENTION (norm, QKV, RoPE, store, attention, O) and MLP
+ * (norm, gate/up, SiLU * up, down). Under tensor parallelism the caller all-reduces the
+ * hidden state between the halves (the O and down projections give partial sums).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define BF16 1 /* the kernels' dtype code */
+#define ATTENTION 1
+#define MLP 2
+#define SLOT_PAST_CACHE 1
+#define OUT_OF_MEMORY 2
+
+typedef void (*rms_norm_fn)(const void *x, const void *residual, const void *weight, void *out,
+                            void *new_residual, int64_t rows, int64_t hidden, float eps,
+                            int dtype);
+typedef int (*linear_fn)(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
+                         uint16_t *y, int64_t m, int64_t n, int64_t k);
+typedef void (*rotary_fn)(void *q, int64_t q_stride, void *k, int64_t k_stride,
+                          const int64_t *positions, const float *cos_cache,
+                          const float *sin_cache, int64_t num_tokens, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t head_dim, int dtype);
+typedef int (*store_kv_fn)(const char *key, int64_t key_stride, const char *value,
+                           int64_t value_stride, char *k_cache, char *v_cache,
+                           const int64_t *slots, int64_t num_tokens, int64_t num_slots,
+                           int64_t row_bytes);
+typedef int (*attention_fn)(const void *q, int64_t q_stride, const void *k_cache,
+                            const void *v_cache, const int32_t *block_tables,
+                            int64_t table_stride, const int32_t *context_lens, void *out,
+                            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t block_size, int64_t max_context,
+                            int dtype, float scale);
+typedef void (*silu_and_mul_fn)(const uint16_t *x, uint16_t *out, int64_t rows, int64_t width);
+
+typedef struct {
+    rms_norm_fn rms_norm;
+    linear_fn linear;
+    rotary_fn rotary_embedding;
+    store_kv_fn store_kv;
+    attention_fn attention;
+    silu_and_mul_fn silu_and_mul;
+} Kernels;
+
+/* A layer's weights as packed at load (linears in linear_bf16.c's layout), this rank's
+ * shard of the heads and of the intermediate size. qkv_bias is NULL where the model has none. */
+typedef struct {
+    const Kernels *kernels;
+    const uint16_t *input_norm, *qkv, *qkv_bias, *o_proj, *post_norm, *gate_up, *down;
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    float eps, scale;
+} Layer;
+
+/* A step's tokens and the buffers every layer reuses ([num_tokens, ...] bf16 rows). */
+typedef struct {
+    int64_t num_tokens;
+    const int64_t *positions, *slots;
+    const float *cos, *sin;            /* [max_positions, head_dim] */
+    const int32_t *block_tables;       /* [num_tokens, table_stride]: each token's sequence's */
+    int64_t table_stride;
+    const int32_t *context_lens;       /* [num_tokens]: position + 1 */
+    int64_t max_context, block_size, num_slots;
+    uint16_t *hidden, *residual;       /* in and out: the layer's input, then its output */
+    uint16_t *normed, *qkv, *attn, *gate_up, *act;
+} Step;
+
+/* Norm, QKV, RoPE, store, attention, O: `hidden` becomes the attention's output. */
+static int attention_half(const Layer *l, const Step *s, char *k_cache, char *v_cache,
+                          int first) {
+    const Kernels *f = l->kernels;
+    int64_t t = s->num_tokens, d = l->head_dim;
+    int64_t q_size = l->num_heads * d, kv_size = l->num_kv_heads * d;
+    int64_t qkv_size = q_size + 2 * kv_size;
+    if (first) { /* the embedding is the residual stream */
+        f->rms_norm(s->hidden, NULL, l->input_norm, s->normed, NULL, t, l->hidden, l->eps, BF16);
+        memcpy(s->residual, s->hidden, (size_t)(t * l->hidden) * sizeof(uint16_t));
+    } else {
+        f->rms_norm(s->hidden, s->residual, l->input_norm, s->normed, s->residual, t, l->hidden,
+                    l->eps, BF16);
+    }
+    if (f->linear(s->normed, l->qkv, l->qkv_bias, s->qkv, t, qkv_size, l->hidden))
+        return OUT_OF_MEMORY;
+    uint16_t *q = s->qkv, *k = q + q_size, *v = k + kv_size;
+    f->rotary_embedding(q, qkv_size, k, qkv_size, s->positions, s->cos, s->sin, t, l->num_heads,
+                        l->num_kv_heads, d, BF16);
+    int64_t row_bytes = kv_size * (int64_t)sizeof(uint16_t);
+    if (f->store_kv((const char *)k, qkv_size * 2, (const char *)v, qkv_size * 2, k_cache,
+                    v_cache, s->slots, t, s->num_slots, row_bytes))
+        return SLOT_PAST_CACHE;
+    if (f->attention(q, qkv_size, k_cache, v_cache, s->block_tables, s->table_stride,
+                     s->context_lens, s->attn, t, l->num_heads, l->num_kv_heads, d,
+                     s->block_size, s->max_context, BF16, l->scale))
+        return OUT_OF_MEMORY;
+    if (f->linear(s->attn, l->o_proj, NULL, s->hidden, t, l->hidden, q_size))
+        return OUT_OF_MEMORY;
+    return 0;
+}
+
+/* Norm, gate/up, SiLU * up, down: `hidden` becomes the MLP's output. */
+static int mlp_half(const Layer *l, const Step *s) {
+    const Kernels *f = l->kernels;
+    int64_t t = s->num_tokens;
+    f->rms_norm(s->hidden, s->residual, l->post_norm, s->normed, s->residual, t, l->hidden,
+                l->eps, BF16);
+    if (f->linear(s->normed, l->gate_up, NULL, s->gate_up, t, 2 * l->intermediate, l->hidden))
+        return OUT_OF_MEMORY;
+    f->silu_and_mul(s->gate_up, s->act, t, l->intermediate);
+    if (f->linear(s->act, l->down, NULL, s->hidden, t, l->hidden, l->intermediate))
+        return OUT_OF_MEMORY;
+    return 0;
+}
+
+/* 0, SLOT_PAST_CACHE (nothing of this layer's K/V written), or OUT_OF_MEMORY. */
+int decoder_layer(const Layer *layer, const Step *step, void *k_cache, void *v_cache, int parts,
+                  int first) {
+    if (parts & ATTENTION) {
+        int rc = attention_half(layer, step, (char *)k_cache, (char *)v_cache, first);
+        if (rc) return rc;
+    }
+    return parts & MLP ? mlp_half(layer, step) : 0;
+}
