@@ -65,7 +65,7 @@ def router_spec(s, model_path: str, model_name: str, redis_url: str, tls: TLSFil
     config = RouterConfig(
         block_size=s.block_size, max_inflight_requests=s.max_inflight_requests,
         max_queued_requests=s.max_queued_requests,
-        kv_transfer_timeout_s=s.kv_transfer_timeout_s,
+        kv_transfer_timeout_s=s.kv_transfer_timeout_s, outputs_silence_s=s.worker_silence_s,
         max_local_prefill_tokens=s.max_local_prefill_tokens,
         migration_limit=s.migration_limit, colocated=s.mode == "colocated",
     )

@@ -204,6 +204,7 @@ class Service:
             decode=decode,
             decode_tp=s.decode_tp,
             gpus=s.device.startswith("cuda"),
+            ping_timeout_s=s.worker_silence_s,
             secret=self.secret,
             redis_password=redis_password,
         )

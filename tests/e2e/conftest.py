@@ -1,13 +1,42 @@
-"""A real two-node Ray cluster: the head carries "prefill", the second node "decode"."""
+"""What the e2e modules share: a real two-node Ray cluster (the head carries "prefill", the
+second node "decode"), the default deployment on the tiny model, and its offline engine.
+
+One of each for the whole package: a cluster's start and stop cost ~7 s, a service's ~10 s.
+Modules that need other settings start their own service on the same cluster (a service stops
+every actor and placement group it started), which has room for the largest of them beside the
+shared one; the shared service serves modules that leave it as they found it (every request
+ended, every block free: each test checks).
+"""
 
 from __future__ import annotations
 
 import pytest
 
+from pdserve.llm import LLM
+from tests.e2e.harness import MAX_INFLIGHT, MAX_QUEUED, free_port, running, tiny_settings
 from tests.ray_cluster import local_cluster
 
+# (logical CPUs, resources) per node: room for a module's own service (up to 2 prefill workers,
+# a decode TP-2 group or 2 decode workers) beside the package's shared one
+NODES = [(4, {"prefill": 4}), (8, {"decode": 4})]
 
-@pytest.fixture(scope="module")
+
+@pytest.fixture(scope="package")
 def ray_cluster():
-    with local_cluster([(2, {"prefill": 2}), (4, {"decode": 2})]) as cluster:
+    with local_cluster(NODES) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="package")
+def tiny_service(ray_cluster, tiny_llama_dir):
+    """1 prefill + 1 decode worker, the router with its gRPC and OpenAI HTTP fronts, Redis."""
+    settings = tiny_settings(tiny_llama_dir, ray_cluster.address, http_port=free_port(),
+                             max_inflight_requests=MAX_INFLIGHT, max_queued_requests=MAX_QUEUED)
+    with running(settings) as service:
+        yield service
+
+
+@pytest.fixture(scope="package")
+def offline(tiny_llama_dir) -> LLM:
+    """The offline engine on the tiny model, as the services are configured."""
+    return LLM(str(tiny_llama_dir), max_model_len=512, num_kv_blocks=256, num_threads=1)

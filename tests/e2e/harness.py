@@ -18,6 +18,9 @@ from pdserve.launch.service import Service
 from pdserve.launch.settings import ServeSettings
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
+# admission limits of the package's shared service (tests/e2e/conftest.py `tiny_service`)
+MAX_INFLIGHT, MAX_QUEUED = 16, 16  # 32 concurrent streams are all admitted
+
 
 def tiny_settings(model_dir, ray_address: str, **overrides) -> ServeSettings:
     """Small, fast settings for the tiny test checkpoint; every port picked free."""

@@ -8,7 +8,6 @@ import pytest
 
 from pdserve.client import Client
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.llm import LLM
 from tests.e2e.harness import health, running, stats, tiny_settings, wait_until
 from tests.integration.hf_reference import mixed_prompts
 
@@ -22,8 +21,7 @@ def service(ray_cluster, tiny_llama_dir):
         yield service
 
 
-def test_colocated_serves_the_offline_engines_tokens_on_both_workers(service, tiny_llama_dir):
-    offline = LLM(str(tiny_llama_dir), max_model_len=512, num_kv_blocks=256, num_threads=1)
+def test_colocated_serves_the_offline_engines_tokens_on_both_workers(service, offline):
     prompts = [list(p)[:300] for p in mixed_prompts(offline.config.model.vocab_size, seed=5)]
     expected = [list(o.token_ids) for o in offline.generate(prompts, GREEDY)]
     assert health(service.address) == "SERVING"

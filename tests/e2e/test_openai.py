@@ -13,22 +13,18 @@ import openai
 import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.llm import LLM
 from pdserve.router.metrics_text import sample_value
 from pdserve.router.openai.app import OpenAIApp
 from pdserve.router.openai.server import HTTPServer
-from tests.e2e.harness import free_port, running, stats, tiny_settings, wait_until
+from tests.e2e.harness import MAX_INFLIGHT, MAX_QUEUED, stats, wait_until
 
-MAX_INFLIGHT, MAX_QUEUED = 8, 8
 PROMPT = "The quick brown fox"
 
 
 @pytest.fixture(scope="module")
-def service(ray_cluster, tiny_llama_dir):
-    settings = tiny_settings(tiny_llama_dir, ray_cluster.address, http_port=free_port(),
-                             max_inflight_requests=MAX_INFLIGHT, max_queued_requests=MAX_QUEUED)
-    with running(settings) as service:
-        yield service
+def service(tiny_service):
+    """The package's shared service (tests/e2e/conftest.py), with its OpenAI front."""
+    return tiny_service
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +43,6 @@ def client(http_url) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def model(client) -> str:
     return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_llama_dir):
-    return LLM(str(tiny_llama_dir), max_model_len=512, num_kv_blocks=256, num_threads=1)
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """The whole service over real gRPC, a real Redis server and real Ray (two nodes).
 
-One service for the module: 1 prefill worker on the "prefill" node, 1 decode worker on the
-"decode" node, the router and a bundled redis-server, serving a tiny random Llama.
+The package's shared service (tests/e2e/conftest.py): 1 prefill worker on the "prefill" node,
+1 decode worker on the "decode" node, the router and a bundled redis-server, serving a tiny
+random Llama.
 """
 
 from __future__ import annotations
@@ -19,27 +20,17 @@ from pdserve import redis_keys
 from pdserve.client import AsyncClient, Client, PdserveError
 from pdserve.engine.block_hash import hash_blocks
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.llm import LLM
 from pdserve.proto import pdserve_pb2, raw_pb2
 from pdserve.router.metrics_text import sample_value
-from tests.e2e.harness import health, raw_generate, running, stats, tiny_settings, wait_until
+from tests.e2e.harness import MAX_INFLIGHT, MAX_QUEUED, health, raw_generate, stats, wait_until
 from tests.integration.hf_reference import mixed_prompts
 
-MAX_INFLIGHT, MAX_QUEUED = 16, 24
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def service(ray_cluster, tiny_llama_dir):
-    with running(tiny_settings(tiny_llama_dir, ray_cluster.address,
-                               max_inflight_requests=MAX_INFLIGHT,
-                               max_queued_requests=MAX_QUEUED)) as service:
-        yield service
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_llama_dir):
-    return LLM(str(tiny_llama_dir), max_model_len=512, num_kv_blocks=256, num_threads=1)
+def service(tiny_service):
+    return tiny_service
 
 
 
@@ -51,6 +42,7 @@ def test_greedy_matches_offline_engine(service, offline):
     prompts = [list(p) for p in mixed_prompts(offline.config.model.vocab_size, seed=11)]
     prompts = [p[:400] for p in prompts]
     expected = [list(o.token_ids) for o in offline.generate(prompts, GREEDY)]
+    cached_before = prefill_cached_blocks(service.address)
     with Client(service.address, timeout=120) as client, ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda p: client.complete(p, sampling=GREEDY), prompts))
     assert [list(c.token_ids) for c in got] == expected
@@ -58,11 +50,17 @@ def test_greedy_matches_offline_engine(service, offline):
     text = offline.tokenizer.decode(expected[0])
     assert got[0].text == text
     assert wait_until(lambda: all_blocks_free(service.address), 5, "every block freed")
-    # disaggregated for real: the prompts were prefilled (and cached) on the prefill worker
+    # disaggregated for real: the prompts were prefilled (and cached) on the prefill worker;
+    # their blocks are new to it (random tokens), and its pool has room for them beside what
+    # earlier tests left (nothing is evicted)
     distinct_blocks = len({h for p in prompts for h in hash_blocks(p, 16)})
-    assert wait_until(lambda: next(w for w in stats(service.address).workers
-                                   if w.role == "prefill").num_cached_blocks == distinct_blocks,
+    assert wait_until(lambda: prefill_cached_blocks(service.address)
+                      == cached_before + distinct_blocks,
                       5, f"the prefill worker caches all {distinct_blocks} prompt blocks")
+
+
+def prefill_cached_blocks(address: str) -> int:
+    return next(w for w in stats(address).workers if w.role == "prefill").num_cached_blocks
 
 
 def test_32_concurrent_streams_complete(service):

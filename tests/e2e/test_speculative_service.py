@@ -17,7 +17,6 @@ import pytest
 
 from pdserve.client import Client
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.llm import LLM
 from tests.e2e.harness import running, stats, tiny_settings, wait_until
 from tests.integration.test_speculative import repetitive_prompts
 
@@ -41,11 +40,6 @@ def service(request, ray_cluster, tiny_llama_dir):
            else {"mode": "colocated", "decode_workers": 2}))
     with running(settings) as service:
         yield service
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_llama_dir):
-    return LLM(str(tiny_llama_dir), max_model_len=512, num_kv_blocks=256, num_threads=1)
 
 
 def counters(address: str) -> tuple[int, int, int]:

@@ -1,10 +1,12 @@
 """Shared fixtures for the fault-injection suite: a real Ray cluster and what a service holds.
 
-`ray_cluster`: two real raylets on 127.0.0.1 (head: "prefill" x2, 2 CPUs; second node:
-"decode" x2, 4 CPUs, room for a decode TP=2 group and a second decode worker), one per test
-module. `slow_model_dir`: a random Llama big enough that prefilling a few thousand tokens
-takes about a second on one CPU thread, so a test can act while a prefill (and its KV
-transfer) is under way. `quiescent`: waits until a running service holds nothing.
+`ray_cluster`: two real raylets on 127.0.0.1 (head: "prefill", second node: "decode"), one for the
+package (a module's service stops every actor and placement group it started). `tiny_service`:
+the default deployment on the tiny model, shared by the modules that end every case with it
+quiescent (one service start, ~10 s, instead of one per module). `slow_model_dir`: a random
+Llama big enough that prefilling a few thousand tokens takes about a second on one CPU thread,
+so a test can act while a prefill (and its KV transfer) is under way. `quiescent`: waits until
+a running service holds nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.e2e.harness import ServiceThread, stats, wait_until
+from tests.e2e.harness import ServiceThread, running, stats, tiny_settings, wait_until
 from tests.ray_cluster import local_cluster
 from tests.tiny_models import write_tiny_model
 
@@ -23,11 +25,21 @@ SLOW_MODEL = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers"
               "num_attention_heads": 4, "num_key_value_heads": 2,
               "max_position_embeddings": 4096}
 
+# (logical CPUs, resources) per node: room for a module's own service (up to 2 prefill workers,
+# a decode TP-2 group or 2 decode workers) beside the package's shared one
+NODES = [(4, {"prefill": 4}), (8, {"decode": 4})]
 
-@pytest.fixture(scope="module")
+
+@pytest.fixture(scope="package")
 def ray_cluster():
-    with local_cluster([(2, {"prefill": 2}), (4, {"decode": 2})]) as cluster:
+    with local_cluster(NODES) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="package")
+def tiny_service(ray_cluster, tiny_llama_dir):
+    with running(tiny_settings(tiny_llama_dir, ray_cluster.address)) as service:
+        yield service
 
 
 @pytest.fixture(scope="session")

@@ -27,20 +27,20 @@ from pdserve.client import Client, PdserveError
 from pdserve.engine.sampling_params import SamplingParams
 from tests.e2e.harness import running, tiny_settings, wait_until
 
-# The router takes a decode worker whose Outputs stream says nothing for 10 s for dead and
-# fails its streams (issue 16, finding 11: outputs_silence_s); the supervisor's ping timeout
-# (pdserve.launch.pool.PING_TIMEOUT_S) is 10 s too. A killed process is seen at once (its
-# sockets close), a stalled one within those 10 s.
-OUTPUTS_SILENCE_S = 10.0
+# The router takes a decode worker whose Outputs stream says nothing (not even its 1 s
+# keepalive) this long for dead and fails its streams; the supervisor's ping timeout is the same
+# (`--worker-silence-s`, 10 s by default: 5 here, so each stall case waits half as long). A
+# killed process is seen at once (its sockets close), a stalled one within this bound.
+WORKER_SILENCE_S = 5.0
 # 2 CPU cores shared with the workers and other tests: scheduling, a gloo error surfacing,
 # the router's retry and cleanup.
 SLACK_S = 10.0
-STATUS_BOUND_S = OUTPUTS_SILENCE_S + SLACK_S
+STATUS_BOUND_S = WORKER_SILENCE_S + SLACK_S
 # A relaunch reloads the model on every rank of the group and re-forms gloo: ~10 s on an
 # idle machine, several times that on 2 busy cores (as tests/e2e/test_failures.py allows).
 RESTART_S = 120.0
-# A stall below every liveness bound above (10 s): a busy or paused worker is not a dead one.
-SHORT_STALL_S = 4.0
+# A stall below every liveness bound above: a busy or paused worker is not a dead one.
+SHORT_STALL_S = 2.0
 CLIENT_TIMEOUT_S = 120.0  # the RPC deadline: far beyond the bound, so a hang shows as one
 LONG_PROMPT_LEN = 3000  # ~1 s of prefill on the slow model, 188 KV blocks
 DECODE_LONG = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)  # 4000 in all
@@ -54,7 +54,7 @@ PROCESSES = {"prefill": ("prefill-0", 0), "decode": ("decode-0", 0),
 def service(ray_cluster, slow_model_dir):
     settings = tiny_settings(slow_model_dir, ray_cluster.address, decode_tp=2,
                              max_model_len=4096, num_kv_blocks=512,
-                             max_num_batched_tokens=512)
+                             max_num_batched_tokens=512, worker_silence_s=WORKER_SILENCE_S)
     with running(settings) as service:
         yield service
 

@@ -15,16 +15,15 @@ import pytest
 
 from pdserve.client import AsyncClient
 from pdserve.engine.sampling_params import SamplingParams
-from tests.e2e.harness import running, tiny_settings, wait_until
+from tests.e2e.harness import wait_until
 
 NUM_REQUESTS = 40
 CONCURRENCY = 8
 
 
 @pytest.fixture(scope="module")
-def service(ray_cluster, tiny_llama_dir):
-    with running(tiny_settings(tiny_llama_dir, ray_cluster.address)) as service:
-        yield service
+def service(tiny_service):
+    return tiny_service  # the package's (tests/faults/conftest.py)
 
 
 def open_queues(service) -> int:

@@ -21,7 +21,7 @@ from pdserve.cluster_secret import ClusterSecret
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.validation import ModelContext
 from pdserve.router.workers import LOAD_TIMEOUT_S, WorkerLost
-from tests.e2e.harness import running, stats, tiny_settings, wait_until
+from tests.e2e.harness import stats, wait_until
 from tests.faults.router_fakes import (
     TOKENS,
     FakeDecode,
@@ -172,9 +172,8 @@ def test_slow_load_polls_keep_a_live_worker_in_rotation(model):
 
 
 @pytest.fixture(scope="module")
-def service(ray_cluster, tiny_llama_dir):
-    with running(tiny_settings(tiny_llama_dir, ray_cluster.address)) as service:
-        yield service
+def service(tiny_service):
+    return tiny_service  # the package's (tests/faults/conftest.py)
 
 
 def test_mark_down_ends_every_request_on_the_worker_at_once(service, quiescent):

@@ -23,7 +23,6 @@ from pdserve.kvtransfer.descriptor import MAX_REQUEST_ID_CHARS
 from pdserve.router.validation import InvalidArgument, ModelContext
 from pdserve.router.workers import WorkerLost
 from pdserve.worker_grpc import SERVER_OPTIONS
-from tests.e2e.harness import running, tiny_settings
 from tests.faults.router_fakes import (
     TOKENS,
     FakeDecode,
@@ -44,9 +43,8 @@ def model(tiny_llama_dir) -> ModelContext:
 
 
 @pytest.fixture(scope="module")
-def service(ray_cluster, tiny_llama_dir):
-    with running(tiny_settings(tiny_llama_dir, ray_cluster.address)) as service:
-        yield service
+def service(tiny_service):
+    return tiny_service  # the package's (tests/faults/conftest.py)
 
 
 def run_isolated(model, decode: FakeDecode, prefills: list[FakePrefill], scenario,

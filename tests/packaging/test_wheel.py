@@ -1,9 +1,11 @@
 """The built wheel installs one top-level package, `pdserve`, and works beside the packages
 whose names its folders would otherwise take: proto-plus's `proto` and Hugging Face's `kernels`.
 
-Built from a copy of the working tree, installed with all its dependencies into a fresh
-virtualenv, exercised from a directory outside the repository (so nothing resolves to the
-source folders).
+Built from a copy of the working tree and installed into a fresh virtualenv, exercised from a
+directory outside the repository (so nothing resolves to the source folders). The pinned
+dependencies are this environment's (which `scripts/setup.sh` installed from the same pins):
+the new virtualenv sees them behind its own site-packages (a path in a .pth file), so the test
+does not copy torch again; proto-plus and `kernels` are installed into it themselves.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -75,8 +78,15 @@ def test_installed_beside_proto_plus_and_hf_kernels(wheel, tiny_llama_dir, tmp_p
     run(sys.executable, "-m", "venv", venv, cwd=tmp_path)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     python, pip = venv / "bin" / "python", [venv / "bin" / "python", "-m", "pip"]
-    run(*pip, "install", "--quiet", "--disable-pip-version-check", wheel, "proto-plus",
-        "kernels", cwd=tmp_path, env=env)
+    site = run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+               cwd=tmp_path, env=env).strip()
+    # a plain path line: the directory joins sys.path, its own .pth files (this checkout's
+    # editable install among them) are not run
+    (Path(site) / "pinned_dependencies.pth").write_text(sysconfig.get_paths()["purelib"])
+    quiet = ("--quiet", "--disable-pip-version-check")
+    run(*pip, "install", *quiet, "--no-deps", wheel, cwd=tmp_path, env=env)
+    run(*pip, "install", *quiet, "--ignore-installed", "--no-deps", "proto-plus", "kernels",
+        cwd=tmp_path, env=env)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     out = run(python, "-c", CHECK, tiny_llama_dir, json.dumps(ENGINE), PROMPT, cwd=elsewhere,
