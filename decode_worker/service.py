@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 
 import grpc
@@ -119,7 +120,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self.fanout.unsubscribe(subscription)
 
     def _stream(self, subscription: Subscription, context):
-        last_sent, stalled = time.monotonic(), False
+        # the first keepalive goes at once: the router takes the worker as up from a fresh
+        # stream's first message, so a started (or restarted) worker is in rotation ~1 s sooner
+        last_sent, stalled = -math.inf, False
         while context.is_active():
             batches = subscription.next(POLL_S)
             if isinstance(batches, End):

@@ -73,7 +73,7 @@ def test_raw_helper_builds_a_valid_header() -> None:
 
 @pytest.mark.parametrize("data", [
     b"", b"PDKV", raw()[:-1], raw() + b"\0", raw()[:H._FIXED.size], "text", None,
-])
+], ids=["empty", "magic", "one-short", "one-long", "fixed-part", "text", "none"])
 def test_wrong_size_or_type(data) -> None:
     with pytest.raises(HeaderError):
         decode(data, TINY)
