@@ -110,6 +110,15 @@ def make_groups(
 
 
 def _client(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """A client of the store at host:port. A refused connection (nothing listens there: the
+    peer is gone) fails at once, where TCPStore would retry it until its timeout, twice (~20 s
+    for a 10 s timeout): the sender's request is failed and placed again that much sooner."""
+    try:
+        socket.create_connection((host, port), timeout=timeout.total_seconds()).close()
+    except ConnectionRefusedError:
+        raise RuntimeError(f"nothing listens at {host}:{port} (connection refused)") from None
+    except OSError:
+        pass  # unreachable or slow: TCPStore's own bounded retries decide
     return dist.TCPStore(host, port, None, False, timeout=timeout, wait_for_workers=False)
 
 

@@ -13,10 +13,8 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
 fi
 echo "setting up $VENV (once; a few minutes on a fresh machine)" >&2
 [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
-# --no-compile: Python writes each module's bytecode when it first imports it, so the
-# thousands that nothing imports are never compiled (a third of the set-up time)
 pip_install() {  # quiet pip, minus this machine's notes about absent local mirrors
-    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile "$@" 2>&1 \
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$@" 2>&1 \
         | { grep -v "^WARNING: Location 'file:" || true; }
     return "${PIPESTATUS[0]}"
 }

@@ -19,6 +19,9 @@ from tests.ray_cluster import local_cluster
 # (logical CPUs, resources) per node: room for a module's own service (up to 2 prefill workers,
 # a decode TP-2 group or 2 decode workers) beside the package's shared one
 NODES = [(4, {"prefill": 4}), (8, {"decode": 4})]
+# A deployment publishes its workers in Ray's GCS under its namespace: the shared service takes
+# its own, so a module's deployment (and its `--router-only` routers) finds only its own workers
+SHARED_NAMESPACE = "e2e-shared"
 
 
 @pytest.fixture(scope="package")
@@ -31,7 +34,8 @@ def ray_cluster():
 def tiny_service(ray_cluster, tiny_llama_dir):
     """1 prefill + 1 decode worker, the router with its gRPC and OpenAI HTTP fronts, Redis."""
     settings = tiny_settings(tiny_llama_dir, ray_cluster.address, http_port=free_port(),
-                             max_inflight_requests=MAX_INFLIGHT, max_queued_requests=MAX_QUEUED)
+                             max_inflight_requests=MAX_INFLIGHT, max_queued_requests=MAX_QUEUED,
+                             redis_namespace=SHARED_NAMESPACE)
     with running(settings) as service:
         yield service
 

@@ -38,7 +38,9 @@ def ray_cluster():
 
 @pytest.fixture(scope="package")
 def tiny_service(ray_cluster, tiny_llama_dir):
-    with running(tiny_settings(tiny_llama_dir, ray_cluster.address)) as service:
+    # its own namespace: a deployment publishes its workers in Ray's GCS under it
+    settings = tiny_settings(tiny_llama_dir, ray_cluster.address, redis_namespace="faults-shared")
+    with running(settings) as service:
         yield service
 
 

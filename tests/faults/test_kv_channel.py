@@ -203,6 +203,21 @@ def test_a_forged_answer_is_refused_by_the_sender() -> None:
     assert joined == []
 
 
+def test_a_peer_nobody_listens_for_fails_at_once() -> None:
+    """A decode worker gone since it reserved: the connect is refused, and that is PEER_LOST at
+    once, not after TCPStore's retries until the timeout (twice 10 s)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        gone = Endpoint("127.0.0.1", s.getsockname()[1], 0)  # closed again: refused
+    connector = GlooConnector(SOURCE, connect_timeout_s=10, secret=SECRET)
+    t0 = time.monotonic()
+    with pytest.raises(TransferError) as e:
+        connector.connect(gone, TINY)
+    connector.close()
+    assert e.value.code is ErrorCode.PEER_LOST and "connection refused" in str(e.value)
+    assert time.monotonic() - t0 < 2.0
+
+
 # ---- finding 6a: no staging for transfers nobody reserved ----
 
 @pytest.fixture
