@@ -60,8 +60,7 @@ def decode_step(opts: dict, batch: int = 32, prompt_len: int = 128) -> dict:
     generate(2)
     step_s = (_best(lambda: generate(65), 2) - _best(lambda: generate(1), 2)) / 64
     model = llm.engine.core.runner.model
-    weights = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
-                  if not name.startswith(("embed_tokens", "lm_head"))) + _head_bytes(model)
+    weights = _read_bytes(model)
     kv = batch * (prompt_len + 32) * opts["kv_bytes_per_token"]
     bandwidth = read_bandwidth()
     floor_s = (weights + kv) / bandwidth
@@ -70,10 +69,17 @@ def decode_step(opts: dict, batch: int = 32, prompt_len: int = 128) -> dict:
             "roofline_pct": 100 * floor_s / step_s}
 
 
-def _head_bytes(model) -> int:
-    """The LM head reads its whole matrix every step (tied or not); the lookup does not."""
-    head = model.lm_head.weight
-    return head.numel() * head.element_size()
+def _read_bytes(model) -> int:
+    """What a decode step reads of the weights: every linear's prepared kernel, the norms, and
+    the LM head's whole matrix (tied or not); the embedding lookup reads only a few rows."""
+    from pdserve.engine.models.parallel import ParallelLinear
+
+    tensors = [p for name, p in model.named_parameters()
+               if not name.startswith(("embed_tokens", "lm_head"))]
+    tensors += [t for m in model.modules() if isinstance(m, ParallelLinear)
+                for t in m.kernel.tensors]
+    tensors.append(model.lm_head.weight)
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def describe(r: dict) -> str:
