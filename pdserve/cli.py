@@ -91,16 +91,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _up(settings: ServeSettings) -> int:
+    """Serve until SIGTERM or SIGINT (Ctrl-C); then drain (no new requests, those in flight
+    finish, at most `drain_timeout_s`) and stop. A second signal stops at once."""
     if settings.router_only:  # one more router of a running deployment, no pools of its own
         from pdserve.launch.router_only import RouterOnly as Service
     else:
         from pdserve.launch.service import Service
 
     service = Service(settings)
-    stop = asyncio.Event()
+    signals = [asyncio.Event(), asyncio.Event()]  # the first signal, the second
+
+    def on_signal() -> None:
+        (signals[1] if signals[0].is_set() else signals[0]).set()
+
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # kept through ray.init (launch.ray_runtime)
+        loop.add_signal_handler(sig, on_signal)
+    lost = None
     try:
         await service.start()
         tls = " (grpcs: TLS)" if service.tls else ""
@@ -111,14 +118,33 @@ async def _up(settings: ServeSettings) -> int:
               f"(metrics: http://{settings.host}:{service.metrics_port}/metrics); "
               "Ctrl-C stops it", flush=True)
         lost = getattr(service, "lost", None)  # a --router-only router's deployment changed
-        ends = [asyncio.ensure_future(e.wait()) for e in (stop, lost) if e is not None]
-        await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
-        for end in ends:
-            end.cancel()
+        await _first(signals[0], lost)
+        if signals[0].is_set():
+            print(f"pdserve: draining: no new requests; those in flight get up to "
+                  f"{settings.drain_timeout_s:g} s (a second signal stops now)",
+                  file=sys.stderr, flush=True)
+            drain = asyncio.ensure_future(service.drain(settings.drain_timeout_s))
+            await _first(drain, signals[1])
+            if not drain.done():
+                drain.cancel()
+                print("pdserve: second signal: stopping now", file=sys.stderr, flush=True)
+            elif drain.result():
+                print(f"pdserve: {drain.result()} requests still in flight after "
+                      f"{settings.drain_timeout_s:g} s: cut", file=sys.stderr, flush=True)
     finally:
         print("pdserve: stopping", file=sys.stderr, flush=True)
         await service.stop()
     return 1 if lost is not None and lost.is_set() else 0
+
+
+async def _first(*waits) -> None:
+    """Until the first of these (events or futures; None is left out) is set or done."""
+    futures = [w if isinstance(w, asyncio.Future) else asyncio.ensure_future(w.wait())
+               for w in waits if w is not None]
+    await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
+    for f in futures:
+        if f not in waits:  # a wait made here, not the caller's future
+            f.cancel()
 
 
 def _sampling(args: argparse.Namespace):

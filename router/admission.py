@@ -1,5 +1,6 @@
 """Bounded admission for the asyncio router: a fixed number of requests in flight, a bounded
 FIFO queue behind them, and an immediate `Overloaded` beyond that (fail fast, never pile up).
+Closed (the service drains before it stops), it turns every newcomer away with `ShuttingDown`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,15 @@ class Overloaded(Exception):
         self.max_queued = max_queued
 
 
+class ShuttingDown(Exception):
+    """Raised by `Admission.acquire` once the admission is closed: the service is draining
+    (UNAVAILABLE / 503, so a client retries on another replica)."""
+
+    def __init__(self) -> None:
+        super().__init__("the service is shutting down and takes no new requests; retry on "
+                         "another replica")
+
+
 class Admission:
     """At most `max_inflight` holders at once; at most `max_queued` waiters, served FIFO.
 
@@ -38,6 +48,7 @@ class Admission:
         self._max_inflight = max_inflight
         self._max_queued = max_queued
         self._num_inflight = 0
+        self.closed = False  # see close()
         # Waiters in arrival order; a cancelled one stays here (done) until its task unwinds.
         self._waiters: deque[asyncio.Future[None]] = deque()
 
@@ -60,8 +71,11 @@ class Admission:
     async def acquire(self) -> None:
         """Take a slot: now if one is free and nobody waits, else wait in line.
 
-        Raises `Overloaded` at once when `max_queued` requests are already waiting.
+        Raises `Overloaded` at once when `max_queued` requests are already waiting, and
+        `ShuttingDown` once closed.
         """
+        if self.closed:
+            raise ShuttingDown()
         if self._num_inflight < self._max_inflight and self.num_queued == 0:
             self._num_inflight += 1
             return
@@ -79,6 +93,11 @@ class Admission:
                 with contextlib.suppress(ValueError):
                     self._waiters.remove(fut)
             raise
+
+    def close(self) -> None:
+        """Admit nobody new from now on; the requests in flight and those already waiting in
+        line keep their places."""
+        self.closed = True
 
     def release(self) -> None:
         """Give a slot back: to the oldest live waiter if there is one, else to the pool."""

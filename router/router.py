@@ -137,6 +137,14 @@ class Router:
                 raise TimeoutError(f"workers {down} not reachable after {timeout} s")
             await asyncio.sleep(0.05)
 
+    async def wait_idle(self, timeout_s: float) -> int:
+        """Until no request is in flight or in line here, at most `timeout_s`; how many are
+        left."""
+        end = time.monotonic() + timeout_s
+        while self.flights and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        return len(self.flights)
+
     def workers(self) -> list[WorkerClient]:
         return [*self.prefill.values(), *self.decode.values()]
 

@@ -2,12 +2,14 @@
 
 Status codes: INVALID_ARGUMENT names the field; RESOURCE_EXHAUSTED when the admission queue
 is full or no decode worker finds KV room in time; UNAVAILABLE when a worker holding the
-request dies or none is up; DEADLINE_EXCEEDED past the server's own cap (`max_timeout_s`),
+request dies or none is up, and for a new request while the service drains (`drain`);
+DEADLINE_EXCEEDED past the server's own cap (`max_timeout_s`),
 whatever deadline the client gave. TLS (and client certificates) when `tls` is given.
 GetStats reports loads, never worker addresses (the worker plane is not the public's).
 Health: "" and "pdserve.v1.Inference" are SERVING while at least one decode and (unless
-colocated) one prefill worker are up; "pdserve.redis" is NOT_SERVING while Redis is
-unreachable (degraded: prefix routing and sessions are off, serving goes on).
+colocated) one prefill worker are up and the router is not draining; "pdserve.redis" is
+NOT_SERVING while Redis is unreachable (degraded: prefix routing and sessions are off, serving
+goes on).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from pdserve import defaults
 from pdserve.proto import pdserve_pb2, worker_pb2
-from pdserve.router.admission import Overloaded
+from pdserve.router.admission import Overloaded, ShuttingDown
 from pdserve.router.auth import APITokens, authorized, call_tenant
 from pdserve.router.h2.call import CallEnded
 from pdserve.router.h2.server import GrpcServer, Method
@@ -95,7 +97,7 @@ class InferenceServicer:
         except (Overloaded, NoCapacity) as exc:
             status = "overloaded"
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except (WorkerLost, WorkerFailed) as exc:
+        except (WorkerLost, WorkerFailed, ShuttingDown) as exc:
             status = "unavailable"
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except asyncio.CancelledError:
@@ -242,9 +244,20 @@ class RouterServer:
                 logger.exception("router maintenance failed")
 
     def can_serve(self) -> bool:
-        """At least one decode and (unless colocated) one prefill worker are up."""
+        """Not draining, and at least one decode and (unless colocated) one prefill worker
+        are up."""
+        if self.router.admission.closed:
+            return False
         up = {c.role for c in self.router.workers() if c.up}
         return ({"decode"} if self.router.config.colocated else {"prefill", "decode"}) <= up
+
+    async def drain(self, timeout_s: float) -> int:
+        """Before a stop (SIGTERM): not ready from now on (health NOT_SERVING, /ready 503), a
+        new request UNAVAILABLE / 503; then until the requests in flight and in line finish,
+        at most `timeout_s`. How many were still in flight then."""
+        self.router.admission.close()
+        await self._refresh()
+        return await self.router.wait_idle(timeout_s)
 
     async def _refresh(self) -> None:
         router, metrics = self.router, self.router.metrics

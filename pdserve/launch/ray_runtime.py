@@ -1,12 +1,15 @@
 """The Ray runtime of this process: join a cluster, or start a local head bound to loopback.
 
 Nothing here places or watches workers (`pool`, `supervisor`); requests never go through Ray.
+The process's own SIGTERM and SIGINT handling survives `ray.init` (see `_signals_kept`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import threading
 
 import ray
 
@@ -23,13 +26,13 @@ def start_ray(address: str | None, resources: dict[str, float], num_cpus: int | 
     if tmpdir is not None:
         os.environ["RAY_TMPDIR"] = tmpdir  # its sessions, sockets and logs; read by children too
     if address is None:
-        with _loopback_stays_loopback():
+        with _loopback_stays_loopback(), _signals_kept():
             ray.init(address="local", _node_ip_address=defaults.HOST, include_dashboard=False,
                      resources=dict(resources), num_cpus=num_cpus)
         return
     host = address.rsplit(":", 1)[0].strip("[]")
     loopback = host in defaults.LOOPBACK_HOSTS
-    with _loopback_stays_loopback() if loopback else contextlib.nullcontext():
+    with _loopback_stays_loopback() if loopback else contextlib.nullcontext(), _signals_kept():
         ray.init(address=address)
 
 
@@ -49,3 +52,21 @@ def _loopback_stays_loopback():
         yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+@contextlib.contextmanager
+def _signals_kept():
+    # ray.init puts its own SIGTERM handlers in: a Python one (sys.exit) and, under it, the
+    # core worker's C++ one (a stack dump, then abort: exit 134). Either would cut every stream
+    # that `pdserve up`'s drain should finish, so the handlers the process had come back after
+    # it (signal.signal reinstalls the C-level one too; asyncio's wakeup fd is untouched).
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers; ray.init sets none from elsewhere
+        return
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in kept.items():
+            if handler is not None:  # None: set from C, outside Python's view
+                signal.signal(sig, handler)

@@ -3,7 +3,8 @@
 It reads its start document from the pipe (the RouterSpec, the cluster secret, the worker
 table), builds its Router and fronts exactly as the service process does (RouterFronts), binds
 the service's gRPC and HTTP ports beside the others (SO_REUSEPORT), and serves on uvloop. Then
-it follows the parent's word (worker-table changes, drains, aborts, stop), asks it for an
+it follows the parent's word (worker-table changes, drains of a worker or of this router,
+aborts, stop), asks it for an
 Abort of a request this process does not hold, and reports its request
 count and metrics every REPORT_S. The pipe closing (the parent died) stops it.
 """
@@ -67,6 +68,7 @@ class _Follower:
 
     def __init__(self, conn: Connection, fronts: RouterFronts) -> None:
         self.conn, self.router, self.metrics = conn, fronts.router, fronts.metrics
+        self.server = fronts.server
         self._tasks: set[asyncio.Task] = set()
         self._answers: dict[int, asyncio.Future] = {}  # our abort questions to the parent
         self._next_id = 0
@@ -103,6 +105,9 @@ class _Follower:
         if op == "abort":  # the parent asks: do we hold it?
             self._background(self._answer_abort(message))
             return
+        if op == "drain_router":  # the service drains before it stops
+            self._background(self._drain_router(message["id"], message["timeout_s"]))
+            return
         worker_id = message["worker_id"]
         if op == "add_worker":
             await self.router.add_worker(worker_id, message["role"], message["address"])
@@ -138,6 +143,10 @@ class _Follower:
     async def _drain(self, drain_id: int, worker_id: str, timeout_s: float) -> None:
         if any(c.worker_id == worker_id for c in self.router.workers()):
             await self.router.drain(worker_id, timeout_s)
+        _send(self.conn, {"op": "drained", "id": drain_id})
+
+    async def _drain_router(self, drain_id: int, timeout_s: float) -> None:
+        await self.server.drain(timeout_s)
         _send(self.conn, {"op": "drained", "id": drain_id})
 
     async def _report(self) -> None:

@@ -131,6 +131,12 @@ class RouterOnly:
     def _on_lost(self, problem: str) -> None:
         self.lost.set()
 
+    async def drain(self, timeout_s: float) -> int:
+        """Before `stop` (SIGTERM): see `service.drain_routers`."""
+        from pdserve.launch.service import drain_routers
+
+        return await drain_routers(self.fronts.server, self.router_processes, timeout_s)
+
     async def stop(self) -> None:
         """Stop what `start` started, front to back; each part bounded (see Service)."""
         from pdserve.launch.service import as_coroutine, stop_part

@@ -11,9 +11,11 @@ does not show.
 
 Parent <-> child: one Pipe of JSON documents (send_bytes / recv_bytes, never pickle).
   parent -> child: the start document ({"index", "spec", "secret", "workers", "log_level"}),
-    then {"op": "add_worker" | "mark_down" | "drain" | "stop", ...}.
+    then {"op": "add_worker" | "mark_down" | "drain" | "drain_router" | "stop", ...}
+    ("drain" a worker: the planner's scale-in; "drain_router": the whole router, before a stop).
   child -> parent: {"op": "ready", "pid"} or {"op": "failed", "error"}; then every REPORT_S
-    {"op": "report", "num_received", "metrics"}, and {"op": "drained", "id"} per drain.
+    {"op": "report", "num_received", "metrics"}, and {"op": "drained", "id"} per drain of
+    either kind.
   Abort of a request another process holds, either way: {"op": "abort", "id", "request_id"},
     answered {"op": "aborted", "id", "found"}; the parent asks its own router and the other
     children for a child.
@@ -158,6 +160,13 @@ class RouterSlot:
                                  timeout_s + STOP_TIMEOUT_S)
         if answer is None and self._conn is not None:
             logger.warning("router process %d did not drain %s in time", self.index, worker_id)
+
+    async def drain_router(self, timeout_s: float) -> None:
+        """Until the child's router has drained (`RouterServer.drain`), at most timeout_s."""
+        answer = await self._ask({"op": "drain_router", "timeout_s": timeout_s},
+                                 timeout_s + STOP_TIMEOUT_S)
+        if answer is None and self._conn is not None:
+            logger.warning("router process %d did not drain in time", self.index)
 
     async def abort(self, request_id: str) -> bool:
         """Abort the request if this child holds it."""
@@ -337,6 +346,10 @@ class RouterProcesses:
             if slot is not asker and await slot.abort(request_id):
                 return True
         return False
+
+    async def drain(self, timeout_s: float) -> None:
+        """Every child's router drains (see `RouterServer.drain`), at most timeout_s."""
+        await asyncio.gather(*(slot.drain_router(timeout_s) for slot in self.slots))
 
     def expositions(self) -> list[str]:
         """Every child's metrics, as last reported, and what the dead ones left (any thread)."""

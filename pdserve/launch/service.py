@@ -7,7 +7,8 @@ ports and workers (pdserve.launch.router_processes). The worker table is publish
 GCS (pdserve.launch.registry) for routers on other machines (`pdserve up --router-only`,
 pdserve.launch.router_only). Point `ray_address` / `redis_url` elsewhere and the same code runs
 against a real cluster.
-`stop()` stops exactly what `start()` started.
+`drain()` (SIGTERM) lets the requests in flight finish first; `stop()` stops exactly what
+`start()` started.
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ class Service:
         self.pool = self._make_pool(model_path, model_name, redis_url)
         infos = await asyncio.to_thread(self.pool.start)
         await self._start_router(model_path, model_name, redis_url, infos)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Before `stop` (SIGTERM): see `drain_routers`."""
+        return await drain_routers(self.router_server, self.router_processes, timeout_s)
 
     async def stop(self) -> None:
         """Stop what was started, front to back. Each part gets STOP_PART_S: one that hangs is
@@ -268,6 +273,16 @@ def _cluster_secret() -> ClusterSecret:
     if os.environ.get(cluster_secret.ENV) or os.environ.get(cluster_secret.ENV_FILE):
         return ClusterSecret.from_env()
     return ClusterSecret.generate()
+
+
+async def drain_routers(server, processes, timeout_s: float) -> int:
+    """Every router process of a service (`server`, a RouterServer, and the others) turns
+    new requests away and reports not ready at once, then waits for its requests in flight,
+    at most `timeout_s` (`RouterServer.drain`); how many of this process's were left."""
+    waits = [server.drain(timeout_s)]
+    if processes is not None:
+        waits.append(processes.drain(timeout_s))
+    return (await asyncio.gather(*waits))[0]
 
 
 async def stop_part(name: str, stop) -> None:

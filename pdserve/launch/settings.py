@@ -111,6 +111,10 @@ class ServeSettings:
     worker_silence_s: float = _opt(
         10.0, "seconds a worker may stay silent (no output message or keepalive to the router, "
         "no answer to the supervisor's ping) before it is taken for dead")
+    drain_timeout_s: float = _opt(
+        30.0, "on SIGTERM or SIGINT: seconds the requests in flight get to finish (none new is "
+        "taken, readiness fails at once) before the service stops; a second signal stops at "
+        "once. Keep it under Kubernetes' terminationGracePeriodSeconds")
     migration_limit: int = _opt(
         1, "times a request whose decode worker dies mid-stream is moved to another one "
         "(its prompt and streamed tokens prefilled again; 0: it fails UNAVAILABLE)")
@@ -150,7 +154,7 @@ class ServeSettings:
         for name in ("port", "metrics_port", "http_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
-        for name in ("http_timeout_s", "grpc_timeout_s", "worker_silence_s"):
+        for name in ("http_timeout_s", "grpc_timeout_s", "worker_silence_s", "drain_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a positive number, got {getattr(self, name)}")
         for name in ("max_stop_strings", "max_stop_string_chars", "max_stop_token_ids",

@@ -2,7 +2,8 @@
 
 400 a bad parameter (named in `param`), 401 a missing or wrong API key, 404 an unknown model,
 413 a body over the limit, 429 the admission queue is full, 503 no worker can take the request
-(none up, none with KV room in time, or the one holding it died), 504 the deadline passed.
+(none up, none with KV room in time, or the one holding it died) or the service drains, 504
+the deadline passed.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from pdserve.router.admission import Overloaded
+from pdserve.router.admission import Overloaded, ShuttingDown
 from pdserve.router.openai.protocol import BadParameter
 from pdserve.router.placement import NoCapacity
 from pdserve.router.stream import WorkerFailed
@@ -42,7 +43,7 @@ def status_of(exc: BaseException) -> tuple[int, str]:
         return 429, "overloaded"
     if isinstance(exc, NoCapacity):
         return 503, "overloaded"
-    if isinstance(exc, (WorkerLost, WorkerFailed)):
+    if isinstance(exc, (WorkerLost, WorkerFailed, ShuttingDown)):
         return 503, "unavailable"
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
         return 504, "deadline"

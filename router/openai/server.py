@@ -36,9 +36,11 @@ class HTTPServer:
         self.socket = socket.create_server((host, port), family=family, reuse_port=reuse_port)
         self.port = self.socket.getsockname()[1]
         self.url = f"{'https' if tls else 'http'}://{host}:{self.port}"
-        # httptools: the C HTTP parser (h11, the pure-Python one, costs more per request)
+        # httptools: the C HTTP parser (h11, the pure-Python one, costs more per request).
+        # A stop cuts what is still running after half a second (the last writes of a drained
+        # stream): letting requests finish is the drain's job (`RouterServer.drain`).
         config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
-                                http="httptools", timeout_graceful_shutdown=2,
+                                http="httptools", timeout_graceful_shutdown=0.5,
                                 **_ssl_options(tls))
         self._server = _Server(config)
         self._task: asyncio.Task | None = None

@@ -163,6 +163,19 @@ def test_speculative_config_reaches_the_settings(helm: Path, tmp_path: Path) -> 
     assert _settings(_render(helm), tmp_path).speculative_config is None  # empty: off
 
 
+def test_a_rollout_drains_the_router_within_its_grace_period(helm: Path, tmp_path: Path) -> None:
+    """SIGTERM drains `pdserve up` for drain_timeout_s: the pod's grace period covers the
+    preStop sleep, the drain and the stop; the drain's length reaches pdserve's settings."""
+    for drain, sleep in ((30, 5), (120, 0)):
+        docs = _render(helm, "--set", f"router.drainTimeoutSeconds={drain}",
+                       "--set", f"router.preStopSleepSeconds={sleep}")
+        pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] == sleep + drain + 15
+        hook = pod["containers"][0].get("lifecycle", {}).get("preStop")
+        assert hook == ({"exec": {"command": ["sleep", str(sleep)]}} if sleep else None)
+        assert _settings(docs, tmp_path).drain_timeout_s == drain
+
+
 def test_head_and_router(helm: Path) -> None:
     docs = _render(helm)
     cluster = _one(docs, "RayCluster")

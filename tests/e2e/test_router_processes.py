@@ -11,6 +11,7 @@ request count) and the child's reports.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import ssl
@@ -323,3 +324,47 @@ def test_a_client_with_several_connections_is_served_by_both_processes(service, 
     assert [len(c.token_ids) for c in done] == [2] * 16
     wait_until(lambda: child.num_received > received, 5, "the child served some of them")
     assert parent.num_received > parent_before  # and the service process others
+
+
+def test_a_drain_finishes_both_processes_streams_and_turns_newcomers_away(service, front,
+                                                                          offline):
+    """The last test: it drains the module's service, as `pdserve up` does on SIGTERM
+    (tests/e2e/test_cli.py sends the signal). The streams running on either process finish
+    with every token; meanwhile both fail health and answer a new request UNAVAILABLE."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    prompts = token_prompts(4, seed=7)
+    expected = offline_greedy(offline, prompts, LONG_TOKENS)
+    late = itertools.count()
+
+    async def refused(channel: grpc.aio.Channel) -> bool:
+        health = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=5)
+        code, _ = await _stream(channel, f"late-{next(late)}", [5, 6, 7], 1)
+        return health.status == health_pb2.HealthCheckResponse.NOT_SERVING and \
+            code == "UNAVAILABLE"
+
+    async def run():
+        on_parent, on_child = await _connections_per_process(service, front, 2)
+        channels = on_parent + on_child
+        started = [asyncio.Event() for _ in channels]
+        tasks = [asyncio.create_task(_stream(channel, f"drained-{i}", prompts[i], LONG_TOKENS,
+                                             started[i]))
+                 for i, channel in enumerate(channels)]
+        await asyncio.gather(*(event.wait() for event in started))
+        drain = asyncio.create_task(asyncio.to_thread(service.run, service.service.drain(60)))
+        for channel in (on_parent[0], on_child[0]):  # a new call on each process's connection
+            end = time.monotonic() + 5
+            while not await refused(channel):
+                assert time.monotonic() < end, "a router process still takes new requests"
+        in_flight = sum(not task.done() for task in tasks)
+        got = await asyncio.gather(*tasks)
+        left = await drain
+        for channel in channels:
+            await channel.close()
+        return in_flight, got, left
+
+    in_flight, got, left = asyncio.run(run())
+    assert got == [("length", tokens) for tokens in expected]
+    assert left == 0
+    assert in_flight > 0, "every stream had ended before the refusals: no drain seen"

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from pdserve.router.admission import Admission, Overloaded
+from pdserve.router.admission import Admission, Overloaded, ShuttingDown
 
 
 async def _settle() -> None:
@@ -243,5 +243,23 @@ def test_many_concurrent_users_never_exceed_limit():
         await asyncio.gather(*tasks, return_exceptions=True)
         assert peak == 3
         assert (adm.num_inflight, adm.num_queued) == (0, 0)
+
+    asyncio.run(main())
+
+
+def test_closed_turns_newcomers_away_and_keeps_the_line():
+    async def main() -> None:
+        adm = Admission(1, 2)
+        await adm.acquire()
+        waiter = asyncio.create_task(adm.acquire())
+        await _settle()
+        adm.close()
+        with pytest.raises(ShuttingDown):
+            await adm.acquire()
+        assert (adm.num_inflight, adm.num_queued) == (1, 1)  # the refusal took nothing
+        adm.release()
+        await asyncio.wait_for(waiter, 1)  # queued before the close: still served
+        adm.release()
+        assert adm.num_inflight == 0
 
     asyncio.run(main())

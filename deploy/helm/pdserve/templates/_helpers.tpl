@@ -118,7 +118,7 @@ pdserve.io/router: "true"
 {{/* The `pdserve up --config` YAML: .Values.pdserve plus the keys the chart owns. */}}
 {{- define "pdserve.settings" -}}
 {{- $s := deepCopy (.Values.pdserve | default dict) -}}
-{{- range $k := list "prefill_workers" "decode_workers" "decode_tp" "host" "port" "metrics_port" "http_port" "ray_address" "worker_host" "redis_url" "redis_password" "api_token" "api_token_file" "tls_cert" "tls_key" "tls_client_ca" "cluster_tls_cert" "cluster_tls_key" "cluster_tls_ca" -}}
+{{- range $k := list "prefill_workers" "decode_workers" "decode_tp" "host" "port" "metrics_port" "http_port" "ray_address" "worker_host" "redis_url" "redis_password" "api_token" "api_token_file" "tls_cert" "tls_key" "tls_client_ca" "cluster_tls_cert" "cluster_tls_key" "cluster_tls_ca" "drain_timeout_s" -}}
 {{- if hasKey $s $k -}}
 {{- fail (printf "pdserve.%s is set by the chart: use prefill.*, decode.*, router.*, redis.*, apiToken.* or clusterTLS.* instead" $k) -}}
 {{- end -}}
@@ -129,6 +129,7 @@ pdserve.io/router: "true"
 {{- $_ := set $s "port" (.Values.router.grpcPort | int) -}}
 {{- $_ := set $s "metrics_port" (.Values.router.metricsPort | int) -}}
 {{- $_ := set $s "http_port" (.Values.router.httpPort | int) -}}
+{{- $_ := set $s "drain_timeout_s" (.Values.router.drainTimeoutSeconds | int) -}}
 {{- with .Values.speculativeConfig -}}
 {{- if hasKey $s "speculative_config" -}}
 {{- fail "pdserve.speculative_config and speculativeConfig are both set: give it once, as speculativeConfig" -}}

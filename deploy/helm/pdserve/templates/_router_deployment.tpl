@@ -54,6 +54,8 @@ spec:
       {{- end }}
       securityContext:
         {{- toYaml .Values.podSecurityContext | nindent 8 }}
+      # preStop sleep + drain + 15 s for the stop itself (values.yaml, router.drainTimeoutSeconds)
+      terminationGracePeriodSeconds: {{ add .Values.router.preStopSleepSeconds .Values.router.drainTimeoutSeconds 15 }}
       containers:
         - name: router
           image: {{ include "pdserve.image" . }}
@@ -122,6 +124,13 @@ spec:
               containerPort: {{ .Values.router.httpPort }}
               protocol: TCP
             {{- end }}
+          {{- with .Values.router.preStopSleepSeconds }}
+          # out of the Service's endpoints before SIGTERM starts the drain
+          lifecycle:
+            preStop:
+              exec:
+                command: ["sleep", {{ . | quote }}]
+          {{- end }}
           # startup: the port is open; liveness: the process is alive (never the serving
           # status, issue 16 finding 12); readiness: it can serve. See pdserve.routerProbes.
           {{- include "pdserve.routerProbes" . | nindent 10 }}
