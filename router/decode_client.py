@@ -9,8 +9,10 @@ The stream is the worker's heartbeat: a healthy worker sends at least an empty m
 second, so `silence_s` without any message means a wedged or stopped worker (or a half-open
 connection). Then, as on a broken stream or any `mark_down`, every open request ends with
 `Lost` at once, and the reader reconnects (within the worker's grace, or it frees this
-router's requests as orphans); the worker is back in rotation once the new stream
-delivers and a load poll answers.
+router's requests as orphans). Whatever marked the worker down, its stream is torn down then:
+the worker is back in rotation only once a stream opened after that has delivered and a load
+poll answers. (A stream that stalled across a network cut may wake up again or not; a request
+placed on the strength of it would fail at its silence timer.)
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class DecodeClient(WorkerClient):
         self._stub = worker_pb2_grpc.DecodeWorkerStub(self.channel)
         self._outputs_channel = worker_channel(address, tls, OUTPUTS_CHANNEL_OPTIONS)
         self._mailboxes: dict[str, Mailbox] = {}
-        self._streaming = False  # the current Outputs stream has delivered a message
+        self._outputs: grpc.aio.UnaryStreamCall | None = None  # the current Outputs stream
+        self._streaming = False  # ... has delivered a message
         self._sent = (0, 0)  # (blocks, requests) the router has sent here, ever
         self._sent_before_load = (0, 0)  # ... before it asked for the load it holds
         self.feeding: set[asyncio.Task] = set()  # prefills pushing KV here (Placer)
@@ -84,6 +87,9 @@ class DecodeClient(WorkerClient):
         self._fail_all(reason)
         for task in list(self.feeding):
             task.cancel()
+        self._streaming = False
+        if self._outputs is not None:  # the reader opens a fresh stream (see the module doc)
+            self._outputs.cancel()
 
     async def reserve(self, request: worker_pb2.ReserveRequest) -> worker_pb2.ReserveResponse:
         request.router_id = self.router_id  # its deltas come to this router's subscription
@@ -126,16 +132,20 @@ class DecodeClient(WorkerClient):
 
     async def _read_outputs(self) -> None:
         while True:
-            call = worker_pb2_grpc.DecodeWorkerStub(self._outputs_channel).Outputs(
+            self._outputs = call = worker_pb2_grpc.DecodeWorkerStub(
+                self._outputs_channel).Outputs(
                 worker_pb2.OutputsRequest(router_id=self.router_id), metadata=self.metadata)
             try:
                 reason = await self._pump(call)
             except grpc.aio.AioRpcError as exc:
                 self._refusal(exc)  # a refused secret is logged loudly
                 reason = f"output stream broke: {exc.code().name}"
+            except asyncio.CancelledError:
+                if not call.cancelled() or asyncio.current_task().cancelling():
+                    raise
+                reason = "output stream torn down"  # by mark_down
             finally:
                 call.cancel()
-            self._streaming = False
             self.mark_down(reason)
             await asyncio.sleep(RECONNECT_S)
 
@@ -157,6 +167,8 @@ class DecodeClient(WorkerClient):
                 raise asyncio.CancelledError
             if step is grpc.aio.EOF:
                 return "output stream ended"
+            if call.cancelled():  # torn down by mark_down as this step came in
+                return "output stream torn down"
             self._streaming = True
             mailboxes = self._mailboxes
             for delta in step.deltas:

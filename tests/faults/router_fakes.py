@@ -48,6 +48,7 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         self.silent = threading.Event()  # set: Outputs sends nothing more (a wedged loop)
         self.reserved: list[str] = []  # worker-side request ids, in arrival order
         self.aborted: list[str] = []
+        self.loads_answered = 0
         self._out: queue.Queue = queue.Queue()
 
     def Reserve(self, request, context):
@@ -92,6 +93,7 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
 
     def GetLoad(self, request, context):
         time.sleep(self.load_delay_s)
+        self.loads_answered += 1
         return load(self.worker_id)
 
 

@@ -77,6 +77,35 @@ def test_silent_output_stream_fails_its_requests_then_recovers(model):
     assert [t for m in messages for t in m.token_ids] == list(TOKENS)
 
 
+def test_a_worker_marked_down_comes_back_only_on_a_fresh_stream(model):
+    """Issue 39, readmission: a worker marked down (here as a failed load poll would) while its
+    output stream has stalled, not broken (a network cut), must not come back on the next good
+    load poll: the old stream had delivered, but it says nothing now and a request placed on
+    it would fail at its silence timer. Its stream is torn down; a fresh one must deliver."""
+    decode, prefill = FakeDecode(), FakePrefill()
+
+    async def scenario(d_addr, p_addr):
+        async with isolated(model, decode, d_addr, p_addr) as router:
+            client = router.decode[decode.worker_id]
+            decode.silent.set()  # the stream stalls ...
+            client.mark_down("GetLoad: UNAVAILABLE")  # ... and a poll found the worker gone
+            polls_before = decode.loads_answered
+            end = time.monotonic() + SILENCE_S * 0.8  # polls answer, the silence timer waits
+            while time.monotonic() < end:
+                assert not client.up, "back in rotation on the stalled stream"
+                await asyncio.sleep(0.05)
+            polls_answered = decode.loads_answered - polls_before
+            decode.silent.clear()  # a stream delivers again
+            await router.wait_ready(SILENCE_S + MARGIN_S)
+            messages = await asyncio.wait_for(collect(router, request("after")), 10)
+            return polls_answered, messages
+
+    with serving(decode, SECRET) as d_addr, serving(prefill, SECRET) as p_addr:
+        polls_answered, messages = asyncio.run(scenario(d_addr, p_addr))
+    assert polls_answered >= 2  # the load polls did answer meanwhile
+    assert [t for m in messages for t in m.token_ids] == list(TOKENS)
+
+
 def test_a_prefill_worker_marked_down_releases_its_prompts_at_once(model):
     """A stopped prefill process holds its connection open until it is killed: the prompts on
     it must not wait for their KV deadline once the supervisor has said it is dead."""
