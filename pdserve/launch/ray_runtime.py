@@ -10,10 +10,13 @@ import contextlib
 import os
 import signal
 import threading
+from collections.abc import Sequence
 
 import ray
 
 from pdserve import defaults
+
+WILDCARD_HOSTS = ("0.0.0.0", "::")  # bind every interface; not an address to dial
 
 
 def start_ray(address: str | None, resources: dict[str, float], num_cpus: int | None,
@@ -34,6 +37,26 @@ def start_ray(address: str | None, resources: dict[str, float], num_cpus: int | 
     loopback = host in defaults.LOOPBACK_HOSTS
     with _loopback_stays_loopback() if loopback else contextlib.nullcontext(), _signals_kept():
         ray.init(address=address)
+
+
+def node_addresses() -> list[str]:
+    """The address of every live node of the joined cluster."""
+    return [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]
+
+
+def unreachable_worker_host(worker_host: str, addresses: Sequence[str]) -> str | None:
+    """Why workers binding `worker_host` could not all be reached from the router, given the
+    cluster's node addresses, or None. A loopback host is reachable on its own node only, and
+    a wildcard one (0.0.0.0, ::) is dialed as loopback: either is fine while every node is on
+    loopback (one machine), and wrong once any node is not."""
+    if worker_host not in (*defaults.LOOPBACK_HOSTS, *WILDCARD_HOSTS):
+        return None  # 'auto' (each node's address) or an address of the operator's
+    remote = sorted({a for a in addresses if a not in defaults.LOOPBACK_HOSTS})
+    if not remote:
+        return None
+    return (f"worker_host {worker_host!r}: the Ray cluster has nodes at {', '.join(remote)}, "
+            "whose workers the router could not reach there; use --worker-host auto (each "
+            "node's address)")
 
 
 def stop_ray() -> None:

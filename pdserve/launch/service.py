@@ -127,21 +127,25 @@ class Service:
         return self.redis.url
 
     def _start_ray(self) -> None:
+        """Join (or start) Ray, unless this process already has; then check that the router can
+        reach the workers on every node (`unreachable_worker_host`)."""
         import ray
 
-        from pdserve.launch.ray_runtime import start_ray
+        from pdserve.launch.ray_runtime import node_addresses, start_ray, unreachable_worker_host
 
-        if ray.is_initialized():
-            return
         s = self.settings
-        most = {"prefill": self._num_prefill, "decode": s.decode_workers}
-        if self._policy is not None:  # room for the planner's largest pools
-            most = {role: max(n, self._policy.bounds(role)[1]) for role, n in most.items()}
-        need = most["prefill"] * self._threads("prefill") + (
-            most["decode"] * s.decode_tp * self._threads("decode"))
-        start_ray(s.ray_address, resources=most,
-                  num_cpus=max(os.cpu_count() or 1, need), tmpdir=None)
-        self._started_ray = True
+        if not ray.is_initialized():
+            most = {"prefill": self._num_prefill, "decode": s.decode_workers}
+            if self._policy is not None:  # room for the planner's largest pools
+                most = {role: max(n, self._policy.bounds(role)[1]) for role, n in most.items()}
+            need = most["prefill"] * self._threads("prefill") + (
+                most["decode"] * s.decode_tp * self._threads("decode"))
+            start_ray(s.ray_address, resources=most,
+                      num_cpus=max(os.cpu_count() or 1, need), tmpdir=None)
+            self._started_ray = True
+        problem = unreachable_worker_host(s.worker_host, node_addresses())
+        if problem is not None:  # before any worker starts where the router can't reach it
+            raise ValueError(problem)
 
     @property
     def _num_prefill(self) -> int:

@@ -108,9 +108,13 @@ def node_resources() -> dict[str, dict]:
 
 
 def test_cluster_binds_loopback_only(ray_cluster):
+    from pdserve.launch.ray_runtime import node_addresses, unreachable_worker_host
+
     nodes = node_resources().values()
     assert len(nodes) == 2
     assert {n["NodeManagerAddress"] for n in nodes} == {"127.0.0.1"}
+    assert node_addresses() == ["127.0.0.1"] * 2  # what `pdserve up` checks its workers by
+    assert unreachable_worker_host("127.0.0.1", node_addresses()) is None  # one machine
 
 
 def test_pool_places_and_serves_prefill_and_decode(pool):
