@@ -4,9 +4,8 @@ It reads its start document from the pipe (the RouterSpec, the cluster secret, t
 table), builds its Router and fronts exactly as the service process does (RouterFronts), binds
 the service's gRPC and HTTP ports beside the others (SO_REUSEPORT), and serves on uvloop. Then
 it follows the parent's word (worker-table changes, drains of a worker or of this router,
-aborts, stop), asks it for an
-Abort of a request this process does not hold, and reports its request
-count and metrics every REPORT_S. The pipe closing (the parent died) stops it.
+aborts, stop), asks it for an Abort of a request this process does not hold, and reports its
+request count and metrics every REPORT_S. The pipe closing (the parent died) stops it.
 """
 
 from __future__ import annotations
