@@ -6,6 +6,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${PDSERVE_VENV:-.venv}
+# nghttp2's clients (nghttp, h2load) drive the gRPC front in tests/unit/test_h2_nghttp2.py: a
+# system package, installed here only as root with apt-get (those tests skip, saying why,
+# where it is missing).
+if ! command -v h2load >/dev/null && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    { apt-get install -y -qq --no-install-recommends nghttp2-client \
+        || { apt-get update -qq && apt-get install -y -qq --no-install-recommends nghttp2-client; }
+    } >/dev/null 2>&1 || echo "setup: nghttp2-client not installed; its tests will skip" >&2
+fi
 stamp="$VENV/.pdserve-installed"
 want=$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
