@@ -44,6 +44,15 @@ def tiny_service(ray_cluster, tiny_llama_dir):
         yield service
 
 
+@pytest.fixture(scope="module")
+def model(tiny_llama_dir):
+    """The tiny checkpoint's router-side context (tokenizer, limits) for routers built in-process
+    over scripted workers (router_fakes); a module may override it (e.g. a shorter context)."""
+    from pdserve.router.validation import ModelContext
+
+    return ModelContext.load(str(tiny_llama_dir), "tiny")
+
+
 @pytest.fixture(scope="session")
 def slow_model_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("slow-llama"), "llama", seed=3,

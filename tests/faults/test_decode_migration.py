@@ -26,7 +26,7 @@ from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto import pdserve_pb2, worker_pb2
 from pdserve.router.router import Router
-from pdserve.router.validation import ModelContext, ValidRequest
+from pdserve.router.validation import ValidRequest
 from pdserve.router.workers import WorkerLost
 from tests.faults.router_fakes import make_router
 from tests.faults.worker_plane import (
@@ -71,11 +71,6 @@ class Services:
             w: s.worker for w, s in self.decode.items() if w not in self.stopped}
         return {w: worker.stats().num_used_blocks + worker.stats().num_reserved
                 for w, worker in workers.items() if worker.is_alive()}
-
-
-@pytest.fixture(scope="module")
-def model(tiny_llama_dir) -> ModelContext:
-    return ModelContext.load(str(tiny_llama_dir), "tiny")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.cluster_secret import ClusterSecret
 from pdserve.router.admission import ShuttingDown
 from pdserve.router.server import NOT_SERVING, SERVING, RouterServer
-from pdserve.router.validation import ModelContext
 from tests.faults.router_fakes import (
     TOKENS,
     FakeDecode,
@@ -27,11 +26,6 @@ from tests.faults.router_fakes import (
 )
 
 SECRET = ClusterSecret.generate()
-
-
-@pytest.fixture(scope="module")
-def model(tiny_llama_dir) -> ModelContext:
-    return ModelContext.load(str(tiny_llama_dir), "tiny")
 
 
 async def _health(server: RouterServer) -> int:

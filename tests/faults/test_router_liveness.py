@@ -19,7 +19,6 @@ import pytest
 from pdserve.client import AsyncClient, PdserveError
 from pdserve.cluster_secret import ClusterSecret
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.router.validation import ModelContext
 from pdserve.router.workers import LOAD_TIMEOUT_S, WorkerLost
 from tests.e2e.harness import stats, wait_until
 from tests.faults.router_fakes import (
@@ -35,11 +34,6 @@ from tests.faults.router_fakes import (
 SECRET = ClusterSecret.generate()
 SILENCE_S = 1.5
 MARGIN_S = 3.0  # scheduling slack on a loaded 2-core machine
-
-
-@pytest.fixture(scope="module")
-def model(tiny_llama_dir) -> ModelContext:
-    return ModelContext.load(str(tiny_llama_dir), "tiny")
 
 
 @contextlib.asynccontextmanager

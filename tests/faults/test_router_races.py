@@ -20,7 +20,7 @@ from pdserve.client import AsyncClient, Client
 from pdserve.cluster_secret import ClusterSecret
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer.descriptor import MAX_REQUEST_ID_CHARS
-from pdserve.router.validation import InvalidArgument, ModelContext
+from pdserve.router.validation import InvalidArgument
 from pdserve.router.workers import WorkerLost
 from pdserve.worker_grpc import SERVER_OPTIONS
 from tests.faults.router_fakes import (
@@ -35,11 +35,6 @@ from tests.faults.router_fakes import (
 
 SECRET = ClusterSecret.generate()
 HOLD_S = 1.5  # how long a hooked placement step waits (the abort arrives meanwhile)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_llama_dir) -> ModelContext:
-    return ModelContext.load(str(tiny_llama_dir), "tiny")
 
 
 @pytest.fixture(scope="module")
