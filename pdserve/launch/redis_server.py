@@ -199,9 +199,13 @@ class RedisServer:
         with os.fdopen(fd, "w") as f:
             f.write(self._config())
         with open(self.log_path, "ab") as log:
+            # a process group of its own: a terminal's Ctrl-C (sent to the whole foreground
+            # group) would stop it at once, under the requests a drain lets finish; its owner
+            # stops it last (`stop`, at exit too)
             self._proc = subprocess.Popen(
                 [self.binary, conf, *self.extra_args],
                 cwd=self._dir, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                process_group=0,
             )
         atexit.register(self.stop)
         try:

@@ -4,6 +4,7 @@ fails; then it stops all of it and exits 0. A second signal stops at once."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -90,8 +91,7 @@ def test_up_generate_chat_then_sigterm_drains_and_stops_everything(tiny_llama_di
         gone = psutil.wait_procs([c for c in children if c.is_running()], timeout=30)[1]
         assert not gone, [c.cmdline()[:2] for c in gone]  # nothing it started outlives it
     finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGKILL)
+        kill_everything(server)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -129,6 +129,18 @@ class Stream(threading.Thread):
             self.error = f"{type(exc).__name__}: {exc}"
         finally:
             self.first.set()
+
+
+def kill_everything(server: subprocess.Popen) -> None:
+    """A failed test's clean-up: `pdserve up` and every process it started (some, as the
+    bundled Redis, in a process group of their own)."""
+    if server.poll() is not None:
+        return
+    started = psutil.Process(server.pid).children(recursive=True)
+    os.killpg(server.pid, signal.SIGKILL)
+    for process in started:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
 
 
 def wait_for_address(server: subprocess.Popen, timeout: float) -> tuple[str, str]:
@@ -194,6 +206,5 @@ def test_up_with_tls_and_a_token_file_serves_only_verified_clients(tiny_llama_di
         stream.join(30)
         assert stream.finish_reason is None and stream.num_tokens is None  # cut short
     finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGKILL)
+        kill_everything(server)
         shutil.rmtree(tmp, ignore_errors=True)
