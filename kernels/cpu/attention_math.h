@@ -1,6 +1,7 @@
 /* What every CPU attention path shares (paged_decode_attention.c and its bf16 headers):
- * 16-float vectors, the 16-dot reduction tree `sum16`, and `exp_shifted` (a softmax's
- * exponentials and its denominator). */
+ * 16-float vectors, the 16-dot reduction tree `sum16`, `exp_shifted` (a softmax's
+ * exponentials and its denominator), `window_start` and `soft_cap_scores` (the per-layer
+ * variants: sliding window, logit soft-capping). */
 #ifndef PDSERVE_ATTENTION_MATH_H
 #define PDSERVE_ATTENTION_MATH_H
 
@@ -46,6 +47,31 @@ static inline float exp_shifted(float *s, int64_t len, int64_t tail) {
     for (int64_t t = 0; t < len; t++) sum += (s[t] = exp_nonpositive(s[t] - top));
     for (int64_t t = len; t < len + tail; t++) s[t] = 0.0f;
     return sum;
+}
+
+/* The first key a query sees: the one `window` before its end (keys p - window < j <= p for
+ * the query at p = len - 1), or 0 (window 0: no window). */
+static inline int64_t window_start(int64_t len, int64_t window) {
+    return window > 0 && len > window ? len - window : 0;
+}
+
+/* tanh(x), vectorizable: (1 - e) / (1 + e) with e = exp(-2|x|), and for |x| < 1/4, where
+ * 1 - e cancels, its odd Taylor series to x^9 (error < 1e-9). Both within ~2e-7 of tanh. */
+static inline float tanh_f32(float x) {
+    float a = x < 0.0f ? -x : x, a2 = a * a;
+    float e = exp_nonpositive(-2.0f * a);
+    float far = (1.0f - e) / (1.0f + e);
+    float near = a * (1.0f + a2 * (-1.0f / 3 + a2 * (2.0f / 15 + a2 * (-17.0f / 315
+                 + a2 * (62.0f / 2835)))));
+    float t = a < 0.25f ? near : far;
+    return x < 0.0f ? -t : t;
+}
+
+/* s[0:len] = cap * tanh(s / cap): Gemma 2's attention logit soft-capping (cap > 0). */
+static inline void soft_cap_scores(float *s, int64_t len, float cap) {
+    float inv = 1.0f / cap;
+#pragma omp simd
+    for (int64_t t = 0; t < len; t++) s[t] = cap * tanh_f32(s[t] * inv);
 }
 
 #endif

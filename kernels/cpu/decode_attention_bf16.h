@@ -18,6 +18,9 @@
  * The first KV head's pass asks for the whole rows (every head's keys and values) a few tokens
  * ahead, into L2, where the other heads' passes find them: 1.2x over asking for each head's
  * slice in its own pass, 1.2-1.4x over the fp32 path per step's attention (cold caches).
+ *
+ * A sliding window starts the walks at the window's first key; a soft cap rewrites the fp32
+ * scores before their softmax (attention_math.h).
  */
 #ifndef PDSERVE_DECODE_ATTENTION_BF16_H
 #define PDSERVE_DECODE_ATTENTION_BF16_H
@@ -42,9 +45,17 @@ typedef struct {
     int64_t block_size, kv_dim, head_off, block, in_block;
 } HeadWalk;
 
+/* A walk whose first `walk_next` is token `first`: it stands where token first - 1 left it. */
 static inline void walk_start(HeadWalk *w, const uint16_t *cache, const int32_t *table,
-                              int64_t block_size, int64_t kv_dim, int64_t head_off) {
+                              int64_t block_size, int64_t kv_dim, int64_t head_off,
+                              int64_t first) {
     HeadWalk start = {cache, NULL, table, block_size, kv_dim, head_off, -1, block_size};
+    if (first > 0) {
+        start.block = (first - 1) / block_size;
+        start.in_block = (first - 1) % block_size + 1;
+        start.row = cache + (int64_t)table[start.block] * block_size * kv_dim + head_off
+                  + (start.in_block - 1) * kv_dim;
+    }
     *w = start;
 }
 
@@ -81,13 +92,14 @@ static inline void prefetch_next(HeadWalk *k, HeadWalk *v, int64_t bytes) {
 static inline __attribute__((always_inline)) void attend_group_bf16(
         const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
         const int32_t *table, int64_t len, int64_t GROUP, int64_t DIM, int64_t block_size,
-        int64_t kv_dim, int64_t head_off, float scale, int64_t stride, float *scores,
-        uint16_t *probs, uint16_t *out, int64_t prefetch_bytes) {
-    const int64_t nv = DIM / 32;
+        int64_t kv_dim, int64_t head_off, float scale, int64_t window, float soft_cap,
+        int64_t stride, float *scores, uint16_t *probs, uint16_t *out, int64_t prefetch_bytes) {
+    const int64_t nv = DIM / 32, first = window_start(len, window);
+    len -= first;  /* from here on, tokens count from the window's first */
     HeadWalk w, kp, vp;
-    walk_start(&w, k_cache, table, block_size, kv_dim, head_off);
-    walk_start(&kp, k_cache, table, block_size, kv_dim, head_off);
-    walk_start(&vp, v_cache, table, block_size, kv_dim, head_off);
+    walk_start(&w, k_cache, table, block_size, kv_dim, head_off, first);
+    walk_start(&kp, k_cache, table, block_size, kv_dim, head_off, first);
+    walk_start(&vp, v_cache, table, block_size, kv_dim, head_off, first);
     int64_t ahead = 0;  /* tokens whose rows were asked for */
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
         /* the rows of the next PREFETCH_TOKENS tokens (values too, read after the scores) */
@@ -112,6 +124,7 @@ static inline __attribute__((always_inline)) void attend_group_bf16(
     float sums[MAX_GROUP];
     for (int64_t h = 0; h < GROUP; h++) {
         float *s = scores + h * stride;
+        if (soft_cap > 0.0f) soft_cap_scores(s, len, soft_cap);
         sums[h] = exp_shifted(s, len, 16);  /* the tail: the last pair's partner, weight 0 */
         uint16_t *p = probs + h * stride;
         for (int64_t t = 0; t < len + 1; t += 16)
@@ -121,7 +134,7 @@ static inline __attribute__((always_inline)) void attend_group_bf16(
     __m512 acc[MAX_GROUP][2 * MAX_DIM_VECS];
     for (int64_t h = 0; h < GROUP; h++)
         for (int64_t c = 0; c < 2 * nv; c++) acc[h][c] = _mm512_setzero_ps();
-    walk_start(&w, v_cache, table, block_size, kv_dim, head_off);
+    walk_start(&w, v_cache, table, block_size, kv_dim, head_off, first);
     for (int64_t t = 0; t < len; t += 2) {
         const uint16_t *a = walk_next(&w), *b = t + 1 < len ? walk_next(&w) : a;  /* p = 0 */
         __m512i lo[MAX_DIM_VECS], hi[MAX_DIM_VECS];
@@ -161,7 +174,8 @@ static int attend_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
                        const uint16_t *v_cache, const int32_t *block_tables, int64_t table_stride,
                        const int32_t *context_lens, uint16_t *out, int64_t num_seqs,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                       int64_t block_size, int64_t max_context, float scale) {
+                       int64_t block_size, int64_t max_context, float scale, int64_t window,
+                       float soft_cap) {
     int64_t group = num_heads / num_kv_heads, kv_dim = num_kv_heads * head_dim;
     int64_t stride = max_context + 32;
     int failed = 0;
@@ -182,7 +196,8 @@ static int attend_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
             uint16_t *og = out + s * num_heads * head_dim + g * group * head_dim;
 #define GROUP_BF16(G, D)                                                                      \
     attend_group_bf16(qg, k_cache, v_cache, block_tables + s * table_stride, context_lens[s],  \
-                      G, D, block_size, kv_dim, g * head_dim, scale, stride, scores, probs, og, \
+                      G, D, block_size, kv_dim, g * head_dim, scale, window, soft_cap, stride, \
+                      scores, probs, og,                                                        \
                       g ? 0 : 2 * kv_dim)  /* head 0 asks for the whole rows */
             if (group == 3 && head_dim == 64) GROUP_BF16(3, 64);
             else if (group == 4 && head_dim == 64) GROUP_BF16(4, 64);

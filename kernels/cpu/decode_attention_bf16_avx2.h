@@ -23,6 +23,10 @@
  * 1.09-1.18x (32 x 300 tokens 43.2 -> 37.1 ms: memory-bound), a 2000-token prefill's
  * attention 2.50x (3 layers 434 -> 173 ms). Each query's output is bit-identical whether it
  * runs alone or in a tile.
+ *
+ * A sliding window: a tile's rows start at its first query's first visible key, and each
+ * query's scores before its own first get weight 0. A soft cap rewrites the fp32 scores before
+ * their softmax (attention_math.h).
  */
 #ifndef PDSERVE_DECODE_ATTENTION_BF16_AVX2_H
 #define PDSERVE_DECODE_ATTENTION_BF16_AVX2_H
@@ -101,17 +105,17 @@ static inline __attribute__((always_inline)) void weigh_values(
     }
 }
 
-/* QT queries of one sequence, every head: query i is `q[i]` ([KV * GROUP][DIM] bf16) over the
- * first `lens[i]` tokens (lens[QT - 1] the longest), `off[t]` token t's row in the caches
- * (elements). The queries share each key row's load and widening (prefill chunks: a run of
+/* QT queries of one sequence, every head: query i is `q[i]` ([KV * GROUP][DIM] bf16) over
+ * tokens firsts[i] .. lens[i] - 1 (lens[QT - 1] the longest, firsts[i] 0 without a window),
+ * `off[t]` token t's row in the caches (elements), `soft_cap` 0 or the scores' cap. The queries share each key row's load and widening (prefill chunks: a run of
  * consecutive positions). Scratch: `qf` and `acc` hold KV * GROUP * DIM floats per query,
  * `scores` QT * KV * GROUP rows of `stride` (>= lens[QT - 1] + SCORE_STEP), `part` QT * KV *
  * GROUP * SCORE_STEP vectors. Rows are read whole and in order, a block's tokens in turn. */
 static inline __attribute__((always_inline)) void attend_tile_avx2(
-        const uint16_t *const *q, const int64_t *lens, int64_t QT, const uint16_t *k_cache,
-        const uint16_t *v_cache, const int64_t *off, int64_t KV, int64_t GROUP, int64_t DIM,
-        float scale, int64_t stride, float *qf, float *scores, __m256 *part, float *acc,
-        uint16_t *const *out) {
+        const uint16_t *const *q, const int64_t *firsts, const int64_t *lens, int64_t QT,
+        const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *off, int64_t KV,
+        int64_t GROUP, int64_t DIM, float scale, float soft_cap, int64_t stride, float *qf,
+        float *scores, __m256 *part, float *acc, uint16_t *const *out) {
     int64_t heads = KV * GROUP, row_bytes = KV * DIM * 2, asked = 0, len = lens[QT - 1];
     for (int64_t i = 0; i < QT; i++)
         for (int64_t h = 0; h < heads; h++)
@@ -145,8 +149,12 @@ static inline __attribute__((always_inline)) void attend_tile_avx2(
             _mm256_storeu_ps(scores + h * stride + t0, sum8(part + h * SCORE_STEP));
     }
     for (int64_t h = 0; h < QT * heads; h++) {  /* a shorter query's tail gets weight 0 */
-        float sum = exp_shifted(scores + h * stride, lens[h / heads], len - lens[h / heads]);
-        scores[h * stride + len] = sum > 0.0f ? 1.0f / sum : 0.0f;  /* len 0: zeros */
+        float *s = scores + h * stride;
+        int64_t first = firsts[h / heads], end = lens[h / heads];
+        for (int64_t t = 0; t < first; t++) s[t] = 0.0f;  /* before its window: weight 0 */
+        if (soft_cap > 0.0f) soft_cap_scores(s + first, end - first, soft_cap);
+        float sum = exp_shifted(s + first, end - first, len - end);
+        s[len] = sum > 0.0f ? 1.0f / sum : 0.0f;  /* len 0: zeros */
     }
     for (int64_t i = 0; i < QT * heads * DIM; i++) acc[i] = 0.0f;
     asked = 0;
@@ -190,17 +198,19 @@ static int continues(const int32_t *block_tables, int64_t table_stride, const in
  * sums stay in registers), each its own function (one with all of them inlined spilled its
  * pointers inside the loops), and one for any shape; KV literal 1 for the items of one KV
  * head (1.2x faster there than KV = 1 at run time). */
-typedef void (*tile_fn)(const uint16_t *const *, const int64_t *, const uint16_t *,
-                        const uint16_t *, const int64_t *, int64_t, int64_t, int64_t, float,
-                        int64_t, float *, float *, __m256 *, float *, uint16_t *const *);
+typedef void (*tile_fn)(const uint16_t *const *, const int64_t *, const int64_t *,
+                        const uint16_t *, const uint16_t *, const int64_t *, int64_t, int64_t,
+                        int64_t, float, float, int64_t, float *, float *, __m256 *, float *,
+                        uint16_t *const *);
 #define TILE_FN(NAME, QT, KV, G, D)                                                           \
-    static void NAME(const uint16_t *const *q, const int64_t *lens, const uint16_t *k_cache,  \
-                     const uint16_t *v_cache, const int64_t *off, int64_t kv, int64_t group,  \
-                     int64_t dim, float scale, int64_t stride, float *qf, float *scores,      \
-                     __m256 *part, float *acc, uint16_t *const *out) {                        \
+    static void NAME(const uint16_t *const *q, const int64_t *firsts, const int64_t *lens,    \
+                     const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *off,    \
+                     int64_t kv, int64_t group, int64_t dim, float scale, float soft_cap,     \
+                     int64_t stride, float *qf, float *scores, __m256 *part, float *acc,      \
+                     uint16_t *const *out) {                                                  \
         (void)kv, (void)group, (void)dim;                                                     \
-        attend_tile_avx2(q, lens, QT, k_cache, v_cache, off, KV, G, D, scale, stride, qf,     \
-                         scores, part, acc, out);                                             \
+        attend_tile_avx2(q, firsts, lens, QT, k_cache, v_cache, off, KV, G, D, scale,         \
+                         soft_cap, stride, qf, scores, part, acc, out);                       \
     }
 TILE_FN(one_any, 1, kv, group, dim)
 TILE_FN(one_3x64, 1, kv, 3, 64)
@@ -245,7 +255,8 @@ static int attend_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
                        const uint16_t *v_cache, const int32_t *block_tables, int64_t table_stride,
                        const int32_t *context_lens, uint16_t *out, int64_t num_seqs,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                       int64_t block_size, int64_t max_context, float scale) {
+                       int64_t block_size, int64_t max_context, float scale, int64_t window,
+                       float soft_cap) {
     int64_t group = num_heads / num_kv_heads, kv_dim = num_kv_heads * head_dim;
     int64_t stride = max_context + SCORE_STEP, q_dim = num_heads * head_dim;
     int64_t tile = group <= MAX_TILE_SUMS / QUERY_TILE ? QUERY_TILE : 1, tiles = 0;
@@ -283,21 +294,24 @@ static int attend_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
             int64_t i = item % tiles, first = item / tiles * part_dim;  /* tile i, from dim */
             int64_t s = starts[i], n = starts[i + 1] - s, len = context_lens[s + n - 1];
             const int32_t *table = block_tables + (s + n - 1) * table_stride;  /* the longest */
-            for (int64_t t = 0, b = 0; t < len; b++)  /* block by block: no division */
-                for (int64_t j = 0, base = (int64_t)table[b] * block_size * kv_dim + first;
-                     j < block_size && t < len; j++)
-                    off[t++] = base + j * kv_dim;
+            /* rows from the shortest query's first visible key: off[0] is token `lo` */
+            int64_t lo = window_start(context_lens[s], window);
+            for (int64_t t = lo, b = lo / block_size, j = lo % block_size; t < len; b++, j = 0)
+                for (int64_t base = (int64_t)table[b] * block_size * kv_dim + first;
+                     j < block_size && t < len; j++)  /* block by block: no division */
+                    off[t++ - lo] = base + j * kv_dim;
             const uint16_t *qs[QUERY_TILE];
             uint16_t *os[QUERY_TILE];
-            int64_t lens[QUERY_TILE];
+            int64_t firsts[QUERY_TILE], lens[QUERY_TILE];
             for (int64_t j = 0; j < tile; j++) {  /* a short tile repeats its first query */
                 int64_t at = j < n ? s + n - 1 - j : s;  /* longest last: reversed */
                 qs[tile - 1 - j] = q + at * q_stride + first * group;
                 os[tile - 1 - j] = out + at * q_dim + first * group;
-                lens[tile - 1 - j] = context_lens[at];
+                firsts[tile - 1 - j] = window_start(context_lens[at], window) - lo;
+                lens[tile - 1 - j] = context_lens[at] - lo;
             }
-            (n == 1 ? one : many)(qs, lens, k_cache, v_cache, off, kv, group, head_dim, scale,
-                                  stride, qf, scores, part, acc, os);
+            (n == 1 ? one : many)(qs, firsts, lens, k_cache, v_cache, off, kv, group, head_dim,
+                                  scale, soft_cap, stride, qf, scores, part, acc, os);
         }
         free(qf);
         free(acc);

@@ -18,6 +18,12 @@
  * AVX512-BF16, bf16 caches with head sizes a multiple of 16 take `decode_attention_bf16_avx2.h`
  * (widened in registers; a prefill chunk's positions 4 to a work item).
  *
+ * Per-layer variants (`paged_decode_attention_variant`; 0 = off, `paged_decode_attention` is
+ * both off): a sliding window of W keys starts each query's walk at its first visible key
+ * (len - W: the keys before it are never read, their blocks never touched), and a soft cap c
+ * turns each score s (scaled) into c * tanh(s / c) before the softmax. Every path takes both,
+ * and with both off computes what it did before they were added.
+ *
  * Layouts (element strides; the Python wrapper checks them):
  *   q        [num_seqs, num_heads, head_dim]   token stride q_stride, head stride head_dim
  *   caches   [num_blocks, block_size, num_kv_heads, head_dim], contiguous
@@ -79,6 +85,19 @@ typedef struct {
     int64_t block_size, block_bytes, token_bytes, next_block, in_block, len;
 } RowWalk;
 
+/* A walk over `len` rows of one cache from token `start` (0 <= start, start + len <= the
+ * sequence's length); token `start` is the walk's token 0. */
+static inline RowWalk walk_from(const char *cache, const int32_t *table, int64_t block_size,
+                                int64_t token_bytes, int64_t start, int64_t len) {
+    RowWalk w = {cache, NULL, NULL, table, block_size, block_size * token_bytes, token_bytes,
+                 start / block_size, block_size, len};
+    if (start % block_size && len > 0) {  /* mid-block: that block is already the current one */
+        w.block = cache + (int64_t)table[w.next_block++] * w.block_bytes;
+        w.in_block = start % block_size;
+    }
+    return w;
+}
+
 /* The next UNROLL rows from token t0, each converted into `out` (kv_dim floats apiece); past
  * the end the last row repeats (its probability is 0). */
 static inline void next_rows(RowWalk *w, int64_t t0, int dtype, int64_t kv_dim, float *out) {
@@ -121,13 +140,15 @@ static inline void ask_ahead(RowWalk *w, const char *v_cache, int64_t *asked, in
 static inline __attribute__((always_inline)) void attend_one(const char *q, const char *k_cache, const char *v_cache,
                        const int32_t *table, int64_t len, int64_t num_heads, int64_t group,
                        int64_t head_dim, int64_t block_size, int64_t num_kv_heads, int64_t elem,
-                       int dtype, float scale, int64_t score_stride, float *qf, float *row,
-                       float *scores, float *acc, char *out) {
+                       int dtype, float scale, int64_t window, float soft_cap,
+                       int64_t score_stride, float *qf, float *row, float *scores, float *acc,
+                       char *out) {
     int64_t kv_dim = num_kv_heads * head_dim, token_bytes = kv_dim * elem;
-    RowWalk keys = {k_cache, NULL, NULL, table, block_size, block_size * token_bytes,
-                    token_bytes, 0, block_size, len};
-    RowWalk values = keys, ahead = keys;
-    values.cache = v_cache;
+    int64_t start = window_start(len, window);
+    len -= start;  /* from here on, tokens count from the window's first */
+    RowWalk keys = walk_from(k_cache, table, block_size, token_bytes, start, len);
+    RowWalk values = walk_from(v_cache, table, block_size, token_bytes, start, len);
+    RowWalk ahead = keys;
     int64_t asked = 0;
     load_row(q, dtype, num_heads * head_dim, scale, qf);
     /* Tokens go SCORE_TOKENS at a time where head_dim is a multiple of 16, else UNROLL: each
@@ -164,6 +185,7 @@ static inline __attribute__((always_inline)) void attend_one(const char *q, cons
     }
     for (int64_t h = 0; h < num_heads; h++) {
         float *s = scores + h * score_stride;
+        if (soft_cap > 0.0f) soft_cap_scores(s, len, soft_cap);
         float sum = exp_shifted(s, len, SCORE_TOKENS);  /* the tail gets weight 0 */
         for (int64_t t = 0; t < len; t++) s[t] /= sum;
     }
@@ -200,12 +222,14 @@ static inline __attribute__((always_inline)) void attend_one(const char *q, cons
     store_row(acc, dtype, num_heads * head_dim, 1.0f, out);
 }
 
-int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
-                           const void *v_cache, const int32_t *block_tables,
-                           int64_t table_stride, const int32_t *context_lens, void *out,
-                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t block_size, int64_t max_context,
-                           int dtype, float scale) {
+/* Every query's attention; `window` keys (0: all) and scores capped at `soft_cap` (0: not). */
+int paged_decode_attention_variant(const void *q, int64_t q_stride, const void *k_cache,
+                                   const void *v_cache, const int32_t *block_tables,
+                                   int64_t table_stride, const int32_t *context_lens,
+                                   void *out, int64_t num_seqs, int64_t num_heads,
+                                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                   int64_t max_context, int dtype, float scale, int64_t window,
+                                   float soft_cap) {
     int64_t group = num_heads / num_kv_heads, elem = dtype == 1 ? 2 : 4;
     int64_t q_dim = num_heads * head_dim, kv_dim = num_kv_heads * head_dim;
     int failed = 0;
@@ -214,7 +238,7 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
         group <= MAX_GROUP)
         return attend_bf16(q, q_stride, k_cache, v_cache, block_tables, table_stride,
                            context_lens, out, num_seqs, num_heads, num_kv_heads, head_dim,
-                           block_size, max_context, scale);
+                           block_size, max_context, scale, window, soft_cap);
 #endif
 #pragma omp parallel
     {
@@ -236,7 +260,7 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
 #define ATTEND(HEAD_DIM)                                                                      \
     attend_one(qs, (const char *)k_cache, (const char *)v_cache, table, context_lens[s],      \
                num_heads, group, HEAD_DIM, block_size, num_kv_heads, elem, dtype, scale,      \
-               max_context + SCORE_TOKENS, qf, row, scores, acc, os)
+               window, soft_cap, max_context + SCORE_TOKENS, qf, row, scores, acc, os)
             if (head_dim == 64)
                 ATTEND(64);
             else if (head_dim == 128)
@@ -251,4 +275,17 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
         free(scores);
     }
     return failed ? -1 : 0;
+}
+
+/* Full causal attention, uncapped: the entry decoder_layer.c calls through its pointer. */
+int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
+                           const void *v_cache, const int32_t *block_tables,
+                           int64_t table_stride, const int32_t *context_lens, void *out,
+                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t block_size, int64_t max_context,
+                           int dtype, float scale) {
+    return paged_decode_attention_variant(q, q_stride, k_cache, v_cache, block_tables,
+                                          table_stride, context_lens, out, num_seqs, num_heads,
+                                          num_kv_heads, head_dim, block_size, max_context, dtype,
+                                          scale, 0, 0.0f);
 }

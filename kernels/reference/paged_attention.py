@@ -19,6 +19,12 @@ a sequential read, so larger blocks or allocation-ordered block tables narrow th
 
 Cache slots past a sequence's length are read with zero weight here (the Triton kernels never
 read them), so they must hold finite values: allocate caches zero-filled.
+
+Per-layer variants (keyword-only, None = off, as for Llama): `sliding_window` W lets a query at
+position p see keys p - W < j <= p (Hugging Face's sliding-window causal mask, Mistral, Gemma 2
+and 3's local layers); `soft_cap` c scores c * tanh(q.k * scale / c) before the mask and the
+softmax (Gemma 2's `attn_logit_softcapping`). SDPA has no soft cap, so with one the scores are
+computed in fp32 by hand; without, the path is SDPA as before.
 """
 
 from __future__ import annotations
@@ -86,6 +92,35 @@ def gather_kv(
     return kv.transpose(1, 2)
 
 
+def check_attention_variant(sliding_window: int | None, soft_cap: float | None) -> None:
+    """ValueError unless each variant is off (None) or in range."""
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+        or sliding_window < 1
+    ):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    if soft_cap is not None and not (0.0 < soft_cap < float("inf")):
+        raise ValueError(f"soft_cap must be None or a finite float > 0, got {soft_cap!r}")
+
+
+def attend(
+    q: torch.Tensor,  # [..., num_queries, head_dim]
+    k: torch.Tensor,  # [..., num_keys, head_dim]
+    v: torch.Tensor,  # [..., num_keys, head_dim]
+    mask: torch.Tensor | None,  # bool, broadcast to [..., num_queries, num_keys]
+    scale: float,
+    soft_cap: float | None,
+) -> torch.Tensor:  # [..., num_queries, head_dim] in q's dtype
+    """SDPA, or with a soft cap the same by hand: fp32 scores, capped, masked, softmax."""
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+
+
 def compute_dtype(q: torch.Tensor, cache: torch.Tensor) -> torch.dtype:
     """Float caches compute in their own dtype; int8 caches dequantize to fp32."""
     return torch.float32 if cache.dtype == torch.int8 else cache.dtype
@@ -103,6 +138,23 @@ def _decode_chunks(lens: list[int], block_size: int, bytes_per_token: int) -> li
     return chunks
 
 
+def _decode_mask(
+    lens: torch.Tensor,  # [n] int64, longest first
+    lens_list: list[int],  # the same
+    padded_len: int,
+    sliding_window: int | None,
+) -> torch.Tensor | None:  # [n, 1, 1, padded_len] bool, or None: every key visible
+    """Keys before each sequence's end and, with a window, within its last `sliding_window`."""
+    cut = sliding_window is not None and lens_list[0] > sliding_window
+    if lens_list[-1] >= padded_len and not cut:
+        return None
+    positions = torch.arange(padded_len, device=lens.device)
+    mask = positions[None, :] < lens[:, None]
+    if cut:
+        mask &= positions[None, :] >= lens[:, None] - sliding_window
+    return mask[:, None, None, :]
+
+
 def decode_attention_torch(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -111,7 +163,11 @@ def decode_attention_torch(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     context_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    check_attention_variant(sliding_window, soft_cap)
     num_seqs, num_heads, head_dim = q.shape
     if num_seqs == 0:
         return torch.empty_like(q)
@@ -136,13 +192,9 @@ def decode_attention_torch(
         shape = (last - first, num_blocks * block_size, num_kv_heads, head_dim)
         k = gather_blocks(k_cache, k_scale, ids, dtype, k_buf, raw).view(shape)
         v = gather_blocks(v_cache, v_scale, ids, dtype, v_buf, raw).view(shape)
-        mask = None
-        if lens_list[last - 1] < shape[1]:  # some sequence ends before the padded length
-            positions = torch.arange(shape[1], device=q.device)
-            mask = (positions[None, :] < lens[first:last, None])[:, None, None, :]
-        out[first:last] = F.scaled_dot_product_attention(
-            qg[first:last], k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
-        )
+        mask = _decode_mask(lens[first:last], lens_list[first:last], shape[1], sliding_window)
+        out[first:last] = attend(qg[first:last], k.transpose(1, 2), v.transpose(1, 2), mask,
+                                 scale, soft_cap)
     if not in_order:
         out = torch.empty_like(out).index_copy_(0, order, out)
     return out.view(num_seqs, num_heads, head_dim).to(q.dtype)
@@ -159,7 +211,11 @@ def prefill_attention_torch(
     scale: float,
     max_query_len: int | None = None,
     max_context_len: int | None = None,
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    check_attention_variant(sliding_window, soft_cap)
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -188,10 +244,14 @@ def prefill_attention_torch(
     q_pos = (context_lens.long() - query_lens)[:, None] + torch.arange(max_query_len, device=device)
     k_pos = torch.arange(k.shape[2], device=device)
     mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [S, max_q, L]; padded rows stay finite
+    if sliding_window is not None:
+        mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+        padded = torch.arange(max_query_len, device=device)[None, :] >= query_lens[:, None]
+        mask |= padded[:, :, None]  # a padded row past the window would see no key (NaN)
     mask = mask[:, None, None].expand(num_seqs, 1, group, max_query_len, k.shape[2])
     mask = mask.reshape(num_seqs, 1, group * max_query_len, k.shape[2])
 
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    out = attend(qg, k, v, mask, scale, soft_cap)
     out = out.view(num_seqs, num_kv_heads, group, max_query_len, head_dim).permute(0, 3, 1, 2, 4)
     out = out.reshape(num_seqs, max_query_len, num_heads, head_dim)
     return out[seq_of_token, row_of_token].to(q.dtype)
@@ -205,8 +265,12 @@ def paged_decode_attention_ref(
     context_lens: torch.Tensor,  # [num_seqs] int32, tokens in the cache incl. this one
     scale: float,
     max_context_len: int | None = None,
+    *,
+    sliding_window: int | None = None,  # keys p - W < j <= p only; None: all j <= p
+    soft_cap: float | None = None,  # scores c * tanh(s / c); None: uncapped
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    return decode_attention_torch(q, k_cache, v_cache, None, block_tables, context_lens, scale)
+    return decode_attention_torch(q, k_cache, v_cache, None, block_tables, context_lens, scale,
+                                  sliding_window=sliding_window, soft_cap=soft_cap)
 
 
 def paged_decode_attention_int8_ref(
@@ -219,9 +283,13 @@ def paged_decode_attention_int8_ref(
     context_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     max_context_len: int | None = None,
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     return decode_attention_torch(
-        q, k_cache, v_cache, (k_scale, v_scale), block_tables, context_lens, scale
+        q, k_cache, v_cache, (k_scale, v_scale), block_tables, context_lens, scale,
+        sliding_window=sliding_window, soft_cap=soft_cap,
     )
 
 
@@ -235,9 +303,13 @@ def paged_prefill_attention_ref(
     scale: float,
     max_query_len: int | None = None,
     max_context_len: int | None = None,
+    *,
+    sliding_window: int | None = None,  # keys p - W < j <= p only; None: all j <= p
+    soft_cap: float | None = None,  # scores c * tanh(s / c); None: uncapped
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     return prefill_attention_torch(q, k_cache, v_cache, None, block_tables, query_start_loc,
-                                   context_lens, scale, max_query_len, max_context_len)
+                                   context_lens, scale, max_query_len, max_context_len,
+                                   sliding_window=sliding_window, soft_cap=soft_cap)
 
 
 def paged_prefill_attention_int8_ref(
@@ -252,7 +324,11 @@ def paged_prefill_attention_int8_ref(
     scale: float,
     max_query_len: int | None = None,
     max_context_len: int | None = None,
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     return prefill_attention_torch(q, k_cache, v_cache, (k_scale, v_scale), block_tables,
                                    query_start_loc, context_lens, scale, max_query_len,
-                                   max_context_len)
+                                   max_context_len, sliding_window=sliding_window,
+                                   soft_cap=soft_cap)

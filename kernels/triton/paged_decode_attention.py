@@ -6,6 +6,11 @@ block table (`BLOCK_N` tokens per step, any cache block size), softmax is online
 Long contexts are split over several programs (flash-decoding); a second kernel merges the
 splits by their log-sum-exp. int8 caches apply the per-token scales to the scores (K) and to
 the probabilities (V), so the int8 values go to the dot unchanged.
+
+Per-layer variants, each a constexpr flag (off: the kernel is the one without them): a sliding
+window of W keys (`WINDOW`) moves the range the splits share to the last W keys, so keys and
+blocks before it are never read and the splits are sized for W; a soft cap c (`SOFT_CAP`)
+scores c * tanh(s / c) (`cap_scores`, shared with the prefill kernel).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pdserve.kernels.checks import (
     check_last_contiguous,
     check_shape,
 )
+from pdserve.kernels.reference.paged_attention import check_attention_variant
 from pdserve.kernels.triton.launch import (
     dot_dtype,
     dot_precision,
@@ -39,6 +45,15 @@ MAX_SPLITS = 32  # bounds the merge kernel's tile
 
 
 @triton.jit
+def cap_scores(qk, cap):
+    """cap * tanh(qk) (qk already divided by cap): (1 - e) / (1 + e), e = exp(-2|qk|), which
+    neither overflows nor loses more than ~1e-7 of tanh anywhere (no tanh in tl)."""
+    e = tl.exp2(-2.0 * 1.4426950408889634 * tl.abs(qk))
+    t = (1.0 - e) / (1.0 + e)
+    return cap * tl.where(qk < 0.0, -t, t)
+
+
+@triton.jit
 def _paged_decode_attention_kernel(
     out_ptr,  # [num_seqs, num_heads, head_dim], or fp32 [num_seqs, num_heads, splits, head_dim]
     m_ptr, l_ptr,  # fp32 [num_seqs, num_heads, splits]: running max (log2) and sum per split
@@ -48,15 +63,21 @@ def _paged_decode_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks]
     context_lens_ptr,  # [num_seqs]
     qk_scale, tokens_per_split,
+    window,  # WINDOW: keys visible to the query (the last `window`)
+    cap,  # SOFT_CAP: the cap times log2(e); qk_scale is then scale / cap
     stride_qs, stride_qh, stride_os, stride_oh,
     stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_sh, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     QUANT: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    start = split * tokens_per_split
+    if WINDOW:  # the splits share the window's keys: none before it is read
+        start = tl.maximum(context_len - window, 0) + split * tokens_per_split
+    else:
+        start = split * tokens_per_split
     end = tl.minimum(context_len, start + tokens_per_split)
     g = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + g
@@ -80,7 +101,10 @@ def _paged_decode_attention_kernel(
             s_rows = block.to(tl.int64) * stride_sb + (n % BLOCK_SIZE) * stride_st
             s_rows += kv_head * stride_sh
             qk *= tl.load(k_scale_ptr + s_rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        qk = tl.where(n_mask[None, :], qk * qk_scale, float("-inf"))
+        if SOFT_CAP:
+            qk = tl.where(n_mask[None, :], cap_scores(qk * qk_scale, cap), float("-inf"))
+        else:
+            qk = tl.where(n_mask[None, :], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(qk - m_new[:, None])
@@ -147,7 +171,7 @@ def _check_decode_args(q, k_cache, v_cache, block_tables, context_lens, quantize
 
 
 def _launch(q, k_cache, v_cache, scales, block_tables, context_lens, scale, max_context_len,
-            num_splits) -> torch.Tensor:
+            num_splits, sliding_window, cap) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = new_output(q.shape, q.dtype, q.device)
@@ -155,6 +179,8 @@ def _launch(q, k_cache, v_cache, scales, block_tables, context_lens, scale, max_
         return out
     if max_context_len is None:
         max_context_len = int(context_lens.max())
+    if sliding_window is not None:  # what the splits share: at most the window's keys
+        max_context_len = min(max_context_len, sliding_window)
     if num_splits is None:
         num_splits = _num_splits(num_seqs, num_kv_heads, max_context_len, q.device)
     num_splits = max(1, num_splits)
@@ -173,13 +199,15 @@ def _launch(q, k_cache, v_cache, scales, block_tables, context_lens, scale, max_
     dot = dot_dtype(k_cache.dtype, q.dtype)
     _paged_decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         acc, m, l_sum, q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
-        scale * LOG2E, tokens_per_split,
+        scale * LOG2E if cap is None else scale / cap, tokens_per_split,
+        sliding_window or 0, 0.0 if cap is None else cap * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scale_strides,
         block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, GROUP_PAD=pow2(num_heads // num_kv_heads, 16),
         HEAD_DIM=head_dim, DIM_PAD=pow2(head_dim, 16), BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
         QUANT=scales is not None, SPLIT=split, DOT=dot, PRECISION=dot_precision(dot),
+        WINDOW=sliding_window is not None, SOFT_CAP=cap is not None,
     )
     if split:
         _paged_decode_merge_kernel[(num_seqs, num_heads)](
@@ -199,10 +227,13 @@ def paged_decode_attention(
     max_context_len: int | None = None,  # >= every context_len; None: read it (a GPU sync)
     *,
     num_splits: int | None = None,  # None: enough to fill the GPU
+    sliding_window: int | None = None,  # keys p - W < j <= p only; None: all j <= p
+    soft_cap: float | None = None,  # scores c * tanh(s / c); None: uncapped
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     _check_decode_args(q, k_cache, v_cache, block_tables, context_lens, quantized=False)
+    check_attention_variant(sliding_window, soft_cap)
     return _launch(q, k_cache, v_cache, None, block_tables, context_lens, scale,
-                   max_context_len, num_splits)
+                   max_context_len, num_splits, sliding_window, soft_cap)
 
 
 def paged_decode_attention_int8(
@@ -217,10 +248,13 @@ def paged_decode_attention_int8(
     max_context_len: int | None = None,
     *,
     num_splits: int | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     _check_decode_args(q, k_cache, v_cache, block_tables, context_lens, quantized=True)
     check_kv_scales(k_scale, v_scale, k_cache)
+    check_attention_variant(sliding_window, soft_cap)
     return _launch(q, k_cache, v_cache, (k_scale, v_scale), block_tables, context_lens, scale,
-                   max_context_len, num_splits)
+                   max_context_len, num_splits, sliding_window, soft_cap)
 
 

@@ -7,6 +7,11 @@ Triton: one program per (query tile, sequence, KV head). A tile's rows are `BLOC
 query tokens times the `GROUP` query heads of one KV head (GQA without repeating K/V); keys
 are read through the block table `BLOCK_N` tokens at a time, up to the tile's last query
 position (causal), with an online softmax in fp32.
+
+Per-layer variants, constexpr flags as in the decode kernel: with a sliding window of W keys
+(`WINDOW`) a tile's keys start at its first query's first visible one (p - W + 1: earlier blocks
+are never read) and each row masks the keys before its own; a soft cap (`SOFT_CAP`) caps the
+scores with the decode kernel's `cap_scores`.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from pdserve.kernels.checks import (
     check_last_contiguous,
     check_shape,
 )
+from pdserve.kernels.reference.paged_attention import check_attention_variant
 from pdserve.kernels.triton.launch import dot_dtype, dot_precision, new_output, pow2
+from pdserve.kernels.triton.paged_decode_attention import cap_scores
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 64  # rows (query tokens x heads of one KV head) per program
@@ -42,11 +49,14 @@ def _paged_prefill_attention_kernel(
     query_start_loc_ptr,  # [num_seqs + 1]
     context_lens_ptr,  # [num_seqs]
     qk_scale,
+    window,  # WINDOW: keys visible to each query (its last `window`)
+    cap,  # SOFT_CAP: the cap times log2(e); qk_scale is then scale / cap
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_sh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QUANT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     tile, seq, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
@@ -73,7 +83,10 @@ def _paged_prefill_attention_kernel(
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     # Keys up to the tile's last query position; later ones are masked for every row.
     kv_end = context_len - q_len + tl.minimum(tok0 + BLOCK_Q, q_len)
-    for n0 in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if WINDOW:  # from the tile's first query's first visible key
+        kv_start = tl.maximum(context_len - q_len + tok0 - window + 1, 0)
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < kv_end
         block = tl.load(block_tables_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0)
@@ -86,7 +99,12 @@ def _paged_prefill_attention_kernel(
             s_rows += kv_head * stride_sh
             qk *= tl.load(k_scale_ptr + s_rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
-        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+        if WINDOW:
+            visible &= n[None, :] > q_pos[:, None] - window
+        if SOFT_CAP:
+            qk = tl.where(visible, cap_scores(qk * qk_scale, cap), float("-inf"))
+        else:
+            qk = tl.where(visible, qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(qk - m_new[:, None])
@@ -120,7 +138,7 @@ def _check_prefill_args(q, k_cache, v_cache, block_tables, query_start_loc, cont
 
 
 def _launch(q, k_cache, v_cache, scales, block_tables, query_start_loc, context_lens, scale,
-            max_query_len) -> torch.Tensor:
+            max_query_len, sliding_window, cap) -> torch.Tensor:
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -137,13 +155,15 @@ def _launch(q, k_cache, v_cache, scales, block_tables, query_start_loc, context_
     grid = (triton.cdiv(max_query_len, block_m // group), num_seqs, num_kv_heads)
     _paged_prefill_attention_kernel[grid](
         out, q, k_cache, v_cache, k_scale, v_scale, block_tables, query_start_loc,
-        context_lens, scale * LOG2E,
+        context_lens, scale * LOG2E if cap is None else scale / cap,
+        sliding_window or 0, 0.0 if cap is None else cap * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scale_strides,
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, DIM_PAD=pow2(head_dim, 16), BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, QUANT=scales is not None, DOT=dot,
-        PRECISION=dot_precision(dot),
+        PRECISION=dot_precision(dot), WINDOW=sliding_window is not None,
+        SOFT_CAP=cap is not None,
     )
     return out
 
@@ -158,10 +178,14 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int | None = None,  # >= every query length; None: read it (a GPU sync)
     max_context_len: int | None = None,  # unused: the kernel reads lengths on the device
+    *,
+    sliding_window: int | None = None,  # keys p - W < j <= p only; None: all j <= p
+    soft_cap: float | None = None,  # scores c * tanh(s / c); None: uncapped
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     _check_prefill_args(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, False)
+    check_attention_variant(sliding_window, soft_cap)
     return _launch(q, k_cache, v_cache, None, block_tables, query_start_loc, context_lens,
-                   scale, max_query_len)
+                   scale, max_query_len, sliding_window, soft_cap)
 
 
 def paged_prefill_attention_int8(
@@ -176,10 +200,14 @@ def paged_prefill_attention_int8(
     scale: float,
     max_query_len: int | None = None,
     max_context_len: int | None = None,
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     _check_prefill_args(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, True)
     check_kv_scales(k_scale, v_scale, k_cache)
+    check_attention_variant(sliding_window, soft_cap)
     return _launch(q, k_cache, v_cache, (k_scale, v_scale), block_tables, query_start_loc,
-                   context_lens, scale, max_query_len)
+                   context_lens, scale, max_query_len, sliding_window, soft_cap)
 
 

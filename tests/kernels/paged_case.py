@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -82,6 +82,21 @@ def finite(case: PagedCase) -> PagedCase:
         None if case.k_scale is None else torch.nan_to_num(case.k_scale, nan=0.0),
         None if case.v_scale is None else torch.nan_to_num(case.v_scale, nan=0.0),
     )
+
+
+def poison_before(case: PagedCase, firsts: list[int]) -> PagedCase:
+    """The same batch with sequence s's slots before position `firsts[s]` holding NaN (their
+    scales, in an int8 case): a kernel that never reads them (the keys before a sliding
+    window) gives what it gave before; one that reads them, even with weight 0, gives NaN."""
+    names = ("k_cache", "v_cache") if case.k_scale is None else ("k_scale", "v_scale")
+    poisoned = {name: getattr(case, name).clone() for name in names}
+    block_size = case.k_cache.shape[1]
+    for s, first in enumerate(firsts):
+        positions = torch.arange(first)
+        blocks = case.block_tables[s, positions // block_size].long()
+        for t in poisoned.values():
+            t[blocks, positions % block_size] = float("nan")
+    return replace(case, **poisoned)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -2,16 +2,23 @@
 
 Bounds (relative norm error against the reference evaluated in fp32 on the same inputs):
 fp32 1e-5; fp16 2e-3; bf16 1e-2 (the interpreter truncates to bf16 instead of rounding).
+With a sliding window the keys before each window hold NaN: the kernel must not read them.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from paged_case import finite, make_case, rel_err
+from paged_case import finite, make_case, poison_before, quantize_case, rel_err
 
-from pdserve.kernels.reference.paged_attention import paged_decode_attention_ref
-from pdserve.kernels.triton.paged_decode_attention import paged_decode_attention
+from pdserve.kernels.reference.paged_attention import (
+    paged_decode_attention_int8_ref,
+    paged_decode_attention_ref,
+)
+from pdserve.kernels.triton.paged_decode_attention import (
+    paged_decode_attention,
+    paged_decode_attention_int8,
+)
 
 BOUND = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -37,10 +44,10 @@ def _run(case, q, num_splits):
                                   case.context_lens, 0.125, num_splits=num_splits)
 
 
-def _ref(case, q):
+def _ref(case, q, **variant):
     c = finite(case)
     return paged_decode_attention_ref(q.float(), c.k_cache.float(), c.v_cache.float(),
-                                      c.block_tables, c.context_lens, 0.125)
+                                      c.block_tables, c.context_lens, 0.125, **variant)
 
 
 @pytest.mark.parametrize("dtype,block_size,head_dim,group,num_kv_heads", CASES)
@@ -53,6 +60,45 @@ def test_decode_matches_reference(dtype, block_size, head_dim, group, num_kv_hea
         out = _run(case, q, num_splits)
         assert out.dtype == dtype and out.shape == q.shape
         assert rel_err(out, ref) < BOUND[dtype], num_splits
+
+
+# (dtype, block_size, sliding_window, soft_cap): windows of 1 key, shorter than the longest
+# context and no multiple of the block size (or of BLOCK_N), longer than every context; caps
+# small enough to change random scores.
+VARIANT_CASES = [
+    (torch.float32, 16, 40, 2.0),
+    (torch.float32, 8, 1, None),
+    (torch.bfloat16, 16, 1000, 1.5),
+]
+VARIANT_LENS = [1, 300, 37, 16]
+
+
+@pytest.mark.parametrize("dtype,block_size,sliding_window,soft_cap", VARIANT_CASES)
+def test_decode_window_and_soft_cap_match_reference(dtype, block_size, sliding_window,
+                                                    soft_cap):
+    case = make_case(VARIANT_LENS, block_size, 2, 64, dtype, seed=block_size)
+    q = torch.randn(len(VARIANT_LENS), 6, 64).to(dtype)
+    variant = {"sliding_window": sliding_window, "soft_cap": soft_cap}
+    ref = _ref(case, q, **variant)
+    poisoned = poison_before(case, [max(0, n - sliding_window) for n in VARIANT_LENS])
+    for num_splits in (1, 3):  # the splits share the window's keys
+        out = paged_decode_attention(q, poisoned.k_cache, poisoned.v_cache, case.block_tables,
+                                     case.context_lens, 0.125, num_splits=num_splits, **variant)
+        assert rel_err(out, ref) < BOUND[dtype], num_splits
+
+
+def test_decode_int8_window_and_soft_cap_match_reference():
+    case = quantize_case(make_case([200, 7], 16, 1, 64, torch.float32, seed=6))
+    q = torch.randn(2, 3, 64)
+    args = (case.block_tables, case.context_lens, 0.125)
+    variant = {"sliding_window": 50, "soft_cap": 2.0}
+    c = finite(case)
+    ref = paged_decode_attention_int8_ref(q, c.k_cache, c.v_cache, c.k_scale, c.v_scale, *args,
+                                          **variant)
+    p = poison_before(case, [150, 0])
+    out = paged_decode_attention_int8(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, *args,
+                                      num_splits=2, **variant)
+    assert rel_err(out, ref) < 1e-5
 
 
 def test_decode_head_dim_not_power_of_two():

@@ -2,14 +2,15 @@
 
 Bounds (relative norm error against the reference evaluated in fp32 on the same inputs):
 fp32 1e-5; bf16 1e-2 (the output is rounded to bf16). Unowned cache slots hold NaN, so a
-read past a sequence's length or through a padding entry of its block table fails the test.
+read past a sequence's length or through a padding entry of its block table fails the test;
+with a sliding window, so do the keys before each window (the kernel must skip them).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from paged_case import finite, make_case, rel_err
+from paged_case import finite, make_case, poison_before, rel_err
 
 from pdserve.kernels.backend import get_backend
 from pdserve.kernels.cpu import build
@@ -26,10 +27,10 @@ def built():
     assert available(), f"the C kernel did not build (compiler {build._compiler()})"
 
 
-def _ref(case, q):
+def _ref(case, q, **variant):
     c = finite(case)
     return paged_decode_attention_ref(q.float(), c.k_cache.float(), c.v_cache.float(),
-                                      c.block_tables, c.context_lens, 0.125)
+                                      c.block_tables, c.context_lens, 0.125, **variant)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -42,6 +43,40 @@ def test_matches_reference(dtype, block_size, head_dim, group, num_kv_heads):
                                      case.context_lens, 0.125)
     assert out.dtype == dtype and out.shape == q.shape
     assert rel_err(out, _ref(case, q)) < BOUND[dtype]
+
+
+# (sliding_window, soft_cap): a window of 1 key; windows shorter than most contexts and not a
+# multiple of any block size; one longer than every context; a cap alone (small enough to
+# change random scores: Gemma 2's 50 would barely bite).
+VARIANTS = [(1, None), (40, None), (100, 2.0), (5000, 1.5), (None, 2.0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size,head_dim,group,num_kv_heads",
+                         [(16, 64, 3, 3), (32, 128, 1, 2), (16, 80, 8, 1), (1, 64, 2, 2)])
+def test_window_and_soft_cap_match_reference(dtype, block_size, head_dim, group, num_kv_heads):
+    """Every path (fp32; bf16 on this CPU's path and, head_dim 80, the generic one), the keys
+    before each window poisoned."""
+    case = make_case(LENS, block_size, num_kv_heads, head_dim, dtype, seed=block_size + group)
+    q = torch.randn(len(LENS), num_kv_heads * group, head_dim).to(dtype)
+    for window, cap in VARIANTS:
+        firsts = [max(0, n - (window or n)) for n in LENS]
+        poisoned = poison_before(case, firsts)
+        out = paged_decode_attention_cpu(q, poisoned.k_cache, poisoned.v_cache,
+                                         case.block_tables, case.context_lens, 0.125,
+                                         sliding_window=window, soft_cap=cap)
+        ref = _ref(case, q, sliding_window=window, soft_cap=cap)
+        assert rel_err(out, ref) < BOUND[dtype], (window, cap)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_window_past_every_context_is_no_window(dtype):
+    """A window no context exceeds reads what full attention reads: the same bits."""
+    case = make_case(LENS, 16, 3, 64, dtype, seed=9)
+    q = torch.randn(len(LENS), 9, 64).to(dtype)
+    args = (q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, 0.125)
+    assert torch.equal(paged_decode_attention_cpu(*args, sliding_window=700),
+                       paged_decode_attention_cpu(*args))
 
 
 def test_strided_query_int64_tables_and_threads():
@@ -132,6 +167,13 @@ def test_rejects_bad_inputs():
     with pytest.raises(ValueError, match="block_tables must have shape"):
         paged_decode_attention_cpu(torch.randn(1, 4, 64), case.k_cache, case.v_cache,
                                    case.block_tables[:0], case.context_lens, 0.125)
+    with pytest.raises(ValueError, match="sliding_window"):
+        paged_decode_attention_cpu(torch.randn(1, 4, 64), case.k_cache, case.v_cache,
+                                   case.block_tables, case.context_lens, 0.125,
+                                   sliding_window=0)
+    with pytest.raises(ValueError, match="soft_cap"):
+        paged_decode_attention_cpu(torch.randn(1, 4, 64), case.k_cache, case.v_cache,
+                                   case.block_tables, case.context_lens, 0.125, soft_cap=-1.0)
 
 
 def test_cpu_backend_is_the_default_and_falls_back_for_fp16():
