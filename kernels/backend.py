@@ -15,13 +15,17 @@ calls `ops.<op>` and never asks what the device, the cache dtype or a weight's l
 - weights: `prepare_linears(weights, dtype)` at load turns every linear's loaded weight (dense, or a
   `QuantizedWeight`) into a `LinearKernel` in the backend's layout (packing, huge pages,
   quantized ops), called as `kernel(x, bias)` from then on;
+- MoE experts: `prepare_experts(w13, w2, dtype)` at load, an `ExpertsKernel` called as
+  `kernel(x, topk_weights, topk_ids, expert_start)`: the routed tokens' grouped GEMMs;
 - the layer stack: `decoder_layers(layers)` builds it; `prepare()` binds it after loading;
-- attention: `attention(q, k, v, kv_cache, meta, scale)` stores a step's K/V and attends
-  (int8 or float cache alike); the single ops beside it are what benchmarks and tests call;
-- norms, rotary, activation, the KV store and the KV transfer's block pack/unpack.
+- attention: `attention(q, k, v, kv_cache, meta, scale, sliding_window=, soft_cap=)` stores a
+  step's K/V and attends (int8 or float cache alike, a layer's window and soft cap); the single
+  ops beside it are what benchmarks and tests call;
+- norms, rotary, activations (SwiGLU's, GeGLU's), the KV store and the KV transfer's block
+  pack/unpack.
 
-A new op (the MoE experts' grouped GEMM, LoRA's shrink/expand, another attention variant) is a
-method here with its reference in `kernels.reference`, overridden where a backend has a kernel.
+A new op (LoRA's shrink/expand, latent attention) is a method here with its reference in
+`kernels.reference`, overridden where a backend has a kernel.
 Only the chosen room is imported: nothing on the CPU path imports Triton, nothing on the CUDA
 path the C kernels' ctypes glue.
 """
@@ -39,6 +43,13 @@ import torch
 from pdserve.kernels.attention_metadata import AttentionMetadata
 from pdserve.kernels.decoder_layers import DecoderLayers
 from pdserve.kernels.quant_weights import QuantizedWeight
+from pdserve.kernels.reference.fused_moe import (
+    ExpertsRef,
+    ExpertWeights,
+    cast_experts,
+    expert_shapes,
+)
+from pdserve.kernels.reference.gelu_and_mul import gelu_tanh_and_mul_ref
 from pdserve.kernels.reference.linear import DenseLinear, QuantLinearRef
 from pdserve.kernels.reference.pack_blocks import pack_blocks_ref, unpack_blocks_ref
 from pdserve.kernels.reference.paged_attention import (
@@ -69,6 +80,20 @@ class LinearKernel(Protocol):
         ...
 
 
+class ExpertsKernel(Protocol):
+    """A MoE layer's experts in the layout of the kernel that runs them (`fused_moe_ref`'s
+    numerics): the weighted sum over each token's top-k experts, ids outside this rank's
+    [expert_start, expert_start + E) adding nothing."""
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 expert_start: int = 0) -> torch.Tensor: ...  # [T, H] fp, [T, k] fp32, int64
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """What it holds (for the weights' bytes as served)."""
+        ...
+
+
 class KernelBackend:
     """Every op as its plain-torch reference: the `torch` backend (see the module doc).
 
@@ -84,6 +109,7 @@ class KernelBackend:
     rms_norm = staticmethod(rms_norm_ref)
     rotary_embedding = staticmethod(rotary_embedding_ref)
     silu_and_mul = staticmethod(silu_and_mul_ref)
+    gelu_tanh_and_mul = staticmethod(gelu_tanh_and_mul_ref)
     # int8 KV cache (kernels.kv_quant): the scale tensors follow the caches.
     store_kv_int8 = staticmethod(store_kv_int8_ref)
     paged_decode_attention_int8 = staticmethod(paged_decode_attention_int8_ref)
@@ -106,6 +132,15 @@ class KernelBackend:
         for w in weights:
             yield QuantLinearRef(w) if isinstance(w, QuantizedWeight) else DenseLinear(w)
 
+    def prepare_experts(self, w13: ExpertWeights, w2: ExpertWeights, dtype: torch.dtype
+                        ) -> ExpertsKernel:
+        """A MoE layer's loaded experts in this backend's form, once at load, for activations
+        of `dtype`: w13 [E, 2 * I, H] (gate rows, then up rows) and w2 [E, H, I] dense, or each
+        a sequence of E `QuantizedWeight`s. Called as `kernel(x, topk_weights, topk_ids,
+        expert_start)` from then on (`kernels.reference.fused_moe`)."""
+        expert_shapes(w13, w2)
+        return ExpertsRef(cast_experts(w13, dtype), cast_experts(w2, dtype))
+
     def attention(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -114,23 +149,29 @@ class KernelBackend:
         kv_cache: tuple[torch.Tensor, ...],  # (k, v) [num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,  # (+ k_scale, v_scale [num_blocks, block_size, Hkv] if int8)
         scale: float,
+        *,
+        sliding_window: int | None = None,  # keys p - W < j <= p only; None: all j <= p
+        soft_cap: float | None = None,  # scores c * tanh(s / c); None: uncapped
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Store the step's K/V into the cache, then attend: decodes and prefills apart."""
+        """Store the step's K/V into the cache, then attend: decodes and prefills apart, with
+        the layer's window and soft cap."""
         int8 = len(kv_cache) == 4
         store = self.store_kv_int8 if int8 else self.store_kv
         decode = self.paged_decode_attention_int8 if int8 else self.paged_decode_attention
         prefill = self.paged_prefill_attention_int8 if int8 else self.paged_prefill_attention
+        variant = {"sliding_window": sliding_window, "soft_cap": soft_cap}
         store(k, v, *kv_cache, meta.slot_mapping)
         num_decode = meta.num_decode_tokens
         parts = []
         if meta.decode is not None:
             d = meta.decode
             parts.append(decode(q[:num_decode], *kv_cache, d.block_tables, d.context_lens,
-                                scale, d.max_context_len))
+                                scale, d.max_context_len, **variant))
         if meta.prefill is not None:
             p = meta.prefill
             parts.append(prefill(q[num_decode:], *kv_cache, p.block_tables, p.query_start_loc,
-                                 p.context_lens, scale, p.max_query_len, p.max_context_len))
+                                 p.context_lens, scale, p.max_query_len, p.max_context_len,
+                                 **variant))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 

@@ -6,8 +6,14 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from pdserve.kernels.backend import KernelBackend, LinearKernel, Weight
-from pdserve.kernels.cpu import huge_pages, packed_linear, quant_linear
+from pdserve.kernels.backend import (
+    ExpertsKernel,
+    ExpertWeights,
+    KernelBackend,
+    LinearKernel,
+    Weight,
+)
+from pdserve.kernels.cpu import fused_moe, huge_pages, packed_linear, quant_linear
 from pdserve.kernels.cpu.decoder_layers import CpuDecoderLayers
 from pdserve.kernels.cpu.paged_attention import (
     available,
@@ -25,8 +31,9 @@ from pdserve.kernels.reference.linear import DenseLinear
 class CpuBackend(KernelBackend):
     """Decode and prefill attention reading K/V in place, RMSNorm, RoPE, SiLU * up and the K/V
     store in C; bf16 linears packed for `linear_bf16.c` (or oneDNN) in huge pages, quantized
-    ones for torch's int4/int8 CPU ops; a bf16 layer's step as one C call. int8 caches and
-    the KV transfer's block copies run the references (memcpy-bound on a CPU)."""
+    ones for torch's int4/int8 CPU ops; a bf16 layer's step and a bf16 MoE layer's experts
+    each as one C call. int8 caches and the KV transfer's block copies run the references
+    (memcpy-bound on a CPU)."""
 
     name = "cpu"
     store_kv = staticmethod(store_kv_cpu)
@@ -59,6 +66,13 @@ class CpuBackend(KernelBackend):
         for i, w in enumerate(weights):
             weights[i] = None  # held by `w` alone until its kernel is made
             yield self._prepare(w, dtype, memory)
+
+    def prepare_experts(self, w13: ExpertWeights, w2: ExpertWeights, dtype: torch.dtype
+                        ) -> ExpertsKernel:
+        """Each expert's two linears as `prepare_linears` makes them (`fused_moe`): bf16 ones
+        packed for `linear_bf16.c` run as one C call per layer (`fused_moe.c`), the others one
+        expert at a time on its sorted tokens."""
+        return fused_moe.prepare_experts(w13, w2, dtype, self._prepare)
 
     @staticmethod
     def _prepare(w: Weight, dtype: torch.dtype, memory: huge_pages.Arena) -> LinearKernel:

@@ -68,7 +68,9 @@ def load(name: str) -> ctypes.CDLL | None:
         logger.warning("no C compiler (set CC): %s runs on the torch reference", name)
         return None
     here = Path(__file__).parent
-    sources = [here / f"{name}.c", *sorted(here.glob("*.h"))]  # the headers it may include
+    # every source it may include: the headers, and the .c files another one includes whole
+    # (fused_moe.c includes linear_bf16.c), so an edit to any of them rebuilds it
+    sources = [here / f"{name}.c", *sorted(here.glob("*.h")), *sorted(here.glob("*.c"))]
     key = hashlib.sha256(b"\0".join(
         [*(p.read_bytes() for p in sources), " ".join(FLAGS).encode(), _version(cc).encode(),
          _cpu_flags().encode()]

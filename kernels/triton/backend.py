@@ -7,9 +7,17 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from pdserve.kernels.backend import KernelBackend, LinearKernel, Weight
+from pdserve.kernels.backend import (
+    ExpertsKernel,
+    ExpertWeights,
+    KernelBackend,
+    LinearKernel,
+    Weight,
+)
 from pdserve.kernels.quant_weights import QuantizedWeight
+from pdserve.kernels.reference.fused_moe import cast_experts, expert_shapes
 from pdserve.kernels.reference.linear import DenseLinear, QuantLinearRef
+from pdserve.kernels.triton.fused_moe import TritonExperts, prepare_quantized_experts
 from pdserve.kernels.triton.launch import interpreting
 from pdserve.kernels.triton.pack_blocks import pack_blocks, unpack_blocks
 from pdserve.kernels.triton.paged_decode_attention import (
@@ -54,6 +62,15 @@ class TritonBackend(KernelBackend):
     def prepare_linears(self, weights: Iterable[Weight], dtype: torch.dtype
                         ) -> Iterator[LinearKernel]:
         return (_prepare(w) for w in weights)
+
+    def prepare_experts(self, w13: ExpertWeights, w2: ExpertWeights, dtype: torch.dtype
+                        ) -> ExpertsKernel:
+        """Dense experts for the grouped GEMMs of `fused_moe`; quantized ones one expert at a
+        time on the quantized linear kernel."""
+        expert_shapes(w13, w2)
+        if isinstance(w13, torch.Tensor):
+            return TritonExperts(cast_experts(w13, dtype), cast_experts(w2, dtype))
+        return prepare_quantized_experts(w13, w2)
 
 
 def _prepare(w: Weight) -> LinearKernel:

@@ -20,6 +20,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from pdserve.kernels.triton.fused_moe import _moe_gemm_kernel
 from pdserve.kernels.triton.pack_blocks import _pack_blocks_kernel
 from pdserve.kernels.triton.paged_decode_attention import (
     _paged_decode_attention_kernel,
@@ -31,7 +32,7 @@ from pdserve.kernels.triton.rms_norm import _rms_norm_kernel
 from pdserve.kernels.triton.rotary_embedding import _rotary_embedding_kernel
 from pdserve.kernels.triton.store_kv import _store_kv_kernel
 
-FLOAT_ARGS = {"qk_scale", "eps"}
+FLOAT_ARGS = {"qk_scale", "eps", "cap"}
 
 
 def compile_kernel(kernel, pointers: dict[str, str], constexprs: dict, arch: int) -> None:
@@ -66,15 +67,22 @@ def variants():
                           ("fp32", "fp32", tl.float32), ("bf16", "i8", tl.bfloat16)):
         prec = "ieee" if dot == tl.float32 else "tf32"
         quant = cache == "i8"
-        for group, split in ((8, True), (1, False)):
-            yield (f"decode {cache} group={group} split={split}", _paged_decode_attention_kernel,
-                   _attention_pointers(q, cache, split, decode_names),
-                   dict(GROUP=group, GROUP_PAD=16, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16,
-                        BLOCK_N=64, QUANT=quant, SPLIT=split, DOT=dot, PRECISION=prec))
-        yield (f"prefill {cache}", _paged_prefill_attention_kernel,
-               _attention_pointers(q, cache, False, prefill_names),
-               dict(GROUP=3, HEAD_DIM=64, DIM_PAD=64, BLOCK_SIZE=32, BLOCK_M=64, BLOCK_N=64,
-                    QUANT=quant, DOT=dot, PRECISION=prec))
+        # a layer's window and soft cap (Gemma 2) on the bf16 cache; the others plain
+        variants = ((False, False), (True, True)) if cache == "bf16" else ((False, False),)
+        for window, cap in variants:
+            flags = dict(WINDOW=window, SOFT_CAP=cap)
+            tag = " window softcap" if window else ""
+            for group, split in ((8, True), (1, False)):
+                yield (f"decode {cache} group={group} split={split}{tag}",
+                       _paged_decode_attention_kernel,
+                       _attention_pointers(q, cache, split, decode_names),
+                       dict(GROUP=group, GROUP_PAD=16, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16,
+                            BLOCK_N=64, QUANT=quant, SPLIT=split, DOT=dot, PRECISION=prec,
+                            **flags))
+            yield (f"prefill {cache}{tag}", _paged_prefill_attention_kernel,
+                   _attention_pointers(q, cache, False, prefill_names),
+                   dict(GROUP=3, HEAD_DIM=64, DIM_PAD=64, BLOCK_SIZE=32, BLOCK_M=64, BLOCK_N=64,
+                        QUANT=quant, DOT=dot, PRECISION=prec, **flags))
     yield ("decode merge", _paged_decode_merge_kernel,
            {"out_ptr": "bf16", "acc_ptr": "fp32", "m_ptr": "fp32", "l_ptr": "fp32"},
            dict(HEAD_DIM=80, DIM_PAD=128, SPLITS_PAD=32))
@@ -110,6 +118,16 @@ def variants():
                 "scales_ptr": "fp32", "offsets_ptr": "fp32", "bias_ptr": x},
                dict(GROUP_SIZE=group, INT4=bits == 4, HAS_BIAS=bits == 4, BLOCK_M=block_m,
                     BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot,
+                    PRECISION="ieee" if x == "fp32" else "tf32"))
+
+
+    for gated, x in ((True, "bf16"), (False, "bf16"), (True, "fp32")):  # w13 + SiLU*up; w2
+        dot = tl.float32 if x == "fp32" else tl.bfloat16
+        yield (f"fused_moe {'w13 gated' if gated else 'w2 weighted'} {x}", _moe_gemm_kernel,
+               {"c_ptr": x, "a_ptr": x, "b_ptr": x, "weights_ptr": "fp32",
+                "sorted_ids_ptr": "i64", "block_experts_ptr": "i64"},
+               dict(A_ROW_DIV=8 if gated else 1, GATED=gated, WEIGHTED=not gated, BLOCK_M=16,
+                    BLOCK_N=64, BLOCK_K=64, DOT=dot,
                     PRECISION="ieee" if x == "fp32" else "tf32"))
 
 

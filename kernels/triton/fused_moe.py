@@ -1,0 +1,184 @@
+"""A MoE layer's experts as two grouped GEMMs (`fused_moe_ref`'s op; vLLM/SGLang's design).
+
+The (token, slot) pairs are sorted by expert and each expert's run padded to BLOCK_M rows
+(`moe_align`, torch ops, no host sync), so every BLOCK_M-row block of the sorted list belongs
+to one expert. One kernel, `_moe_gemm_kernel`, launched twice over (block, column tile):
+
+1. gate/up: x's rows gathered by token, times the block's expert's gate rows and up rows (two
+   fp32 accumulators), silu(gate) * up in fp32, stored per pair in x's dtype: act [T * k, I];
+2. down: act's rows times the expert's w2, times the pair's routing weight (fp32), stored per
+   pair: [T * k, H];
+
+then the k slots of each token are summed in torch (fp32 inside the reduction, rounded once),
+slots of experts another rank holds (`expert_start`) masked out. Blocks past the padded total
+(the grid is sized for the worst case) return at once; padding rows are masked.
+
+Numerics against the reference: the same GEMMs with fp32 accumulation, but gate and up are not
+rounded to x's dtype before SiLU * up, and each slot's weighted output is rounded to x's dtype
+before the sum over slots (the reference sums in fp32): in bf16, a few bf16 steps apart.
+
+Quantized experts (lists of `QuantizedWeight`) run one expert at a time on the quantized linear
+kernel (`kernels.triton.quant_linear`, `prepare_quantized_experts`): one host sync per layer for the
+experts' pair counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.kernels.checks import (
+    FLOAT_DTYPES,
+    check_device,
+    check_dtype,
+    check_last_contiguous,
+)
+from pdserve.kernels.quant_weights import QuantizedWeight
+from pdserve.kernels.reference.fused_moe import (
+    LinearExperts,
+    check_routing,
+    expert_shapes,
+    local_ids,
+    moe_align,
+)
+from pdserve.kernels.reference.linear import QuantLinearRef
+from pdserve.kernels.triton.launch import dot_dtype, dot_precision, new_output, pow2
+from pdserve.kernels.triton.quant_linear import QuantLinear, supported
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    c_ptr,  # [T * k, N]: row = pair
+    a_ptr,  # GATED: x [T, K]; else act [T * k, K]; row = pair // A_ROW_DIV
+    b_ptr,  # [E, N, K]; GATED: w13 [E, 2 * N, K], gate rows then up rows
+    weights_ptr,  # [T * k] fp32 routing weights (WEIGHTED only)
+    sorted_ids_ptr,  # [num_blocks * BLOCK_M] pair, num_pairs = padding
+    block_experts_ptr,  # [num_blocks] local expert, -1 = unused block
+    num_pairs, n, k,
+    stride_a, stride_c, stride_be, stride_bn,
+    A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    expert = tl.load(block_experts_ptr + tl.program_id(0))
+    if expert < 0:
+        return
+    pairs = tl.load(sorted_ids_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_mask = pairs < num_pairs
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n
+    a_rows = a_ptr + (pairs // A_ROW_DIV)[:, None] * stride_a
+    b_cols = b_ptr + expert.to(tl.int64) * stride_be + cols.to(tl.int64)[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        a_mask = row_mask[:, None] & (ks < k)[None, :]
+        b_mask = (ks < k)[:, None] & col_mask[None, :]
+        a = tl.load(a_rows + ks[None, :], mask=a_mask, other=0.0).to(tl.float32).to(DOT)
+        b = tl.load(b_cols + ks[:, None], mask=b_mask, other=0.0).to(tl.float32).to(DOT)
+        acc += tl.dot(a, b, input_precision=PRECISION)
+        if GATED:
+            b_up = tl.load(b_cols + n * stride_bn + ks[:, None], mask=b_mask, other=0.0)
+            up += tl.dot(a, b_up.to(tl.float32).to(DOT), input_precision=PRECISION)
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * up  # silu(gate) * up
+    if WEIGHTED:
+        acc *= tl.load(weights_ptr + pairs, mask=row_mask, other=0.0)[:, None]
+    dst = c_ptr + pairs[:, None] * stride_c + cols[None, :]
+    tl.store(dst, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def _check_args(x, w13, w2, topk_weights, topk_ids) -> None:
+    if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):
+        raise ValueError("w13 and w2 must be dense tensors; quantized experts run on "
+                         "prepare_quantized_experts")
+    _, hidden, _ = expert_shapes(w13, w2)
+    check_routing(x, topk_weights, topk_ids, hidden)
+    check_dtype("w13", w13, FLOAT_DTYPES)
+    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"w13 and w2 must have x's dtype {x.dtype}, got {w13.dtype} and "
+                         f"{w2.dtype}; prepare them with KernelBackend.prepare_experts")
+    for name, t in {"x": x, "w13": w13, "w2": w2}.items():
+        check_last_contiguous(name, t)
+    check_device(x.device, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
+
+
+def _tiles(num_pairs: int, num_experts: int, n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): 16-row blocks where an expert gets a few pairs (decode),
+    64 where many; tl.dot needs 16 or more on each side."""
+    block_m = 16 if num_pairs <= 16 * num_experts else 64
+    return block_m, min(pow2(n, 16), 64), min(pow2(k, 16), 64)
+
+
+def _grouped_gemm(c, a, b, weights, align, num_pairs, top_k, gated: bool) -> None:
+    n, k = c.shape[1], a.shape[1]
+    _, block_n, block_k = _tiles(num_pairs, b.shape[0], n, k)
+    dot = dot_dtype(a.dtype, a.dtype)
+    grid = (align.block_experts.numel(), triton.cdiv(n, block_n))
+    _moe_gemm_kernel[grid](
+        c, a, b, weights, align.sorted_ids, align.block_experts,
+        num_pairs, n, k,
+        a.stride(0), c.stride(0), b.stride(0), b.stride(1),
+        A_ROW_DIV=top_k if gated else 1, GATED=gated, WEIGHTED=not gated,
+        BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT=dot, PRECISION=dot_precision(dot),
+    )
+
+
+def fused_moe(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2 * I, H] (gate rows, then up rows), x.dtype
+    w2: torch.Tensor,  # [E, H, I], x.dtype
+    topk_weights: torch.Tensor,  # [T, k] fp32
+    topk_ids: torch.Tensor,  # [T, k] int64 (or int32), global expert ids
+    *,
+    expert_start: int = 0,
+) -> torch.Tensor:  # [T, H], x.dtype
+    """`fused_moe_ref` as two grouped GEMMs and a sum over the slots (module doc)."""
+    _check_args(x, w13, w2, topk_weights, topk_ids)
+    num_tokens, top_k = topk_ids.shape
+    num_experts, hidden, inter = w13.shape[0], w13.shape[2], w13.shape[1] // 2
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return torch.zeros(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    block_m, _, _ = _tiles(num_pairs, num_experts, inter, hidden)
+    align = moe_align(topk_ids, num_experts, block_m, expert_start)
+    weights = topk_weights.reshape(-1).contiguous()  # [T * k]
+    act = new_output((num_pairs, inter), x.dtype, x.device)  # [T * k, I]
+    _grouped_gemm(act, x, w13, weights, align, num_pairs, top_k, gated=True)
+    per_slot = new_output((num_pairs, hidden), x.dtype, x.device)  # [T * k, H]
+    _grouped_gemm(per_slot, act, w2, weights, align, num_pairs, top_k, gated=False)
+    local = local_ids(topk_ids, num_experts, expert_start) != num_experts  # [T * k]
+    per_slot = torch.where(local[:, None], per_slot, 0.0)  # other ranks' slots: never written
+    return per_slot.view(num_tokens, top_k, hidden).sum(1)
+
+
+@dataclass(frozen=True)
+class TritonExperts:
+    """Dense experts as loaded (contiguous, in the activations' dtype), run by `fused_moe`."""
+
+    w13: torch.Tensor  # [E, 2 * I, H]
+    w2: torch.Tensor  # [E, H, I]
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 expert_start: int = 0) -> torch.Tensor:
+        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids,
+                         expert_start=expert_start)
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.w13, self.w2)
+
+
+def prepare_quantized_experts(w13: Sequence[QuantizedWeight], w2: Sequence[QuantizedWeight]
+                              ) -> LinearExperts:
+    """Quantized experts one expert at a time on `quant_linear` (the torch reference where the
+    kernel does not take a weight's groups), SiLU * up in torch between."""
+    _, hidden, _ = expert_shapes(w13, w2)
+    kernels = tuple(QuantLinear(w) if supported(w) else QuantLinearRef(w) for w in (*w13, *w2))
+    return LinearExperts(kernels[:len(w13)], kernels[len(w13):], hidden)
