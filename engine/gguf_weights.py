@@ -3,18 +3,29 @@
 Q4_0 and Q4_1 become int4 `QuantizedWeight`s and Q8_0 int8 ones, all with group size 32 (a GGUF
 block); F32, F16 and BF16 become dense tensors. Each block's fp16 parameters are kept exactly in
 fp32, so `dequantize` of a yielded weight equals `gguf.quants.dequantize` of its block bit for
-bit. Rows of attn_q / attn_k are put back in Hugging Face order (llama.cpp interleaves them for
-its RoPE), as transformers' GGUF loader does.
+bit. Q5_0, Q5_1 and the K-quants (Q4_K, Q5_K, Q6_K: what Q4_K_M / Q5_K_M files hold) have no
+kernel here: they are dequantized with gguf-py to dense fp32, as transformers' GGUF loader does,
+and so is every member of a fused q/k/v or gate/up group whose members' types differ.
 
-Every yielded tensor owns its memory: the file is read through the reader's memory map and only
-one tensor is decoded at a time, never to fp32 (except the per-block scales and offsets).
+Two architectures, named as transformers names them: `llama` (Llama, Mistral, SmolLM2: rows of
+attn_q / attn_k put back in Hugging Face order, since llama.cpp interleaves them for its RoPE)
+and `gemma3` (no interleaving; llama.cpp's converter stores every Gemma RMSNorm weight as 1 + w,
+the factor the norm multiplies by, so 1 is subtracted back, in fp32, as transformers does).
+
+Every yielded tensor owns its memory: the file is read through a memory map and only one tensor
+is decoded at a time. `read_gguf` parses the header itself: gguf-py's GGUFReader builds a numpy
+view per array element, ~9 s for Gemma 3's 262k-token vocabulary, where this takes a fraction
+of a second.
 """
 
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,29 +33,73 @@ import torch
 from pdserve.kernels.quant_weights import QuantizedWeight
 
 GROUP = 32  # weights per Q4_0 / Q4_1 / Q8_0 block
-SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+KEPT_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}  # served as their blocks
+DEQUANTIZED = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")  # to dense fp32 with gguf-py
+SUPPORTED = ("F32", "F16", "BF16", *KEPT_BITS, *DEQUANTIZED)
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-_BLOCK_NAMES = {
+_PROJECTIONS = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+
+
+@dataclass(frozen=True)
+class _Arch:
+    block_names: dict[str, str]
+    unpermute_qk: bool  # llama.cpp interleaved q/k rows for its RoPE (LlamaModel.permute)
+    norm_shift: float  # llama.cpp stored each *norm.weight as w + this
+
+
+_ARCHS = {
+    "llama": _Arch({**_PROJECTIONS, "ffn_norm": "post_attention_layernorm"}, True, 0.0),
+    # Gemma3ForCausalLM: two norms around attention, two around the MLP, per-head q/k norms
+    "gemma3": _Arch({**_PROJECTIONS,
+                     "attn_q_norm": "self_attn.q_norm",
+                     "attn_k_norm": "self_attn.k_norm",
+                     "post_attention_norm": "post_attention_layernorm",
+                     "ffn_norm": "pre_feedforward_layernorm",
+                     "post_ffw_norm": "post_feedforward_layernorm"}, False, 1.0),
+}
+# Tensors our network fuses into one linear (q/k/v, gate/up), which takes one form: blocks of
+# one bit width for all, or dense for all. Q4_K_M files mix types within a layer (attn_v Q8_0
+# beside attn_q Q5_0 in Gemma 3's), so such a group loads dense.
+_FUSED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up",
+          "ffn_up": "gate_up"}
 # Precomputed RoPE frequency factors (Llama 3): Hugging Face derives them from config.json's
 # rope_scaling and has no tensor for them, as transformers' GGUF loader skips them too.
 _SKIPPED = {"rope_freqs.weight"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL = re.compile(r"(\w+)\.(weight|bias)")
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    kind: str  # the GGML type's name: "Q4_K", "F32", ...
+    # a view of the file, as gguf-py's reader gives it: F32 / F16 in their dtype with the
+    # dimensions reversed ([rows, columns]); every other type as its bytes, [rows, row bytes]
+    data: np.ndarray
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    metadata: dict[str, Any]  # scalars as Python values, numeric arrays as numpy, strings as str
+    tensors: list[GGUFTensor]
+
+    @property
+    def arch(self) -> str:
+        return self.metadata.get("general.architecture", "")
 
 
 def gguf_file(model_dir: Path) -> Path | None:
@@ -57,54 +112,64 @@ def gguf_file(model_dir: Path) -> Path | None:
 
 
 def iter_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """Yield every tensor of the llama GGUF file `path` under its Hugging Face name."""
-    tensors, heads, kv_heads = _open(path)
-    for tensor in tensors:
+    """Yield every tensor of the llama or gemma3 GGUF file `path` under its Hugging Face name."""
+    file = read_gguf(path)
+    arch = _ARCHS.get(file.arch)
+    if arch is None:
+        raise ValueError(f"GGUF file {path}: general.architecture is {file.arch!r}; pdserve "
+                         f"reads {' and '.join(_ARCHS)} GGUF files")
+    heads = _field(file, f"{file.arch}.attention.head_count", path)
+    kv_heads = _field(file, f"{file.arch}.attention.head_count_kv", path, default=heads)
+    dense_groups = _mixed_fused_groups(file.tensors)
+    for tensor in file.tensors:
         if tensor.name in _SKIPPED:
             continue
-        kind = tensor.tensor_type.name
+        kind = tensor.kind
         if kind not in SUPPORTED:
             raise ValueError(f"GGUF tensor {tensor.name} is {kind}; pdserve loads "
                              f"{', '.join(SUPPORTED[:-1])} and {SUPPORTED[-1]}")
-        name, layer = hf_name(tensor.name)
+        name, layer = hf_name(tensor.name, file.arch)
         data = tensor.data
-        if ".attn_q." in tensor.name or ".attn_k." in tensor.name:
+        if arch.unpermute_qk and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
             n = _per_layer(heads if ".attn_q." in tensor.name else kv_heads, layer)
             data = data[_unpermute_rows(data.shape[0], n, tensor.name)]
-        yield name, _decode(tensor.name, kind, data)
+        if arch.norm_shift and "norm.weight" in tensor.name:
+            yield name, torch.from_numpy(_dequantize(data, kind) - np.float32(arch.norm_shift))
+        elif kind in KEPT_BITS and _fused_group(tensor.name) in dense_groups:
+            yield name, torch.from_numpy(_dequantize(data, kind))
+        else:
+            yield name, _decode(tensor.name, kind, data)
 
 
-def _open(path: Path) -> tuple[list, int | list[int], int | list[int]]:
-    """The file's tensors (views of its memory map) and head counts; the metadata is dropped.
-
-    The reader parses every metadata field, the tokenizer's vocabulary included, into Python
-    objects (about 160 MB and most of the load time for SmolLM2); only the tensors outlive it.
-    """
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    if reader.byte_order != "I":
-        raise ValueError(f"GGUF file {path} is in the other byte order; pdserve reads "
-                         "little-endian GGUF files")
-    arch = _field(reader, "general.architecture", path)
-    if arch != "llama":
-        raise ValueError(f"GGUF file {path}: general.architecture is {arch!r}; pdserve reads "
-                         "llama GGUF files")
-    heads = _field(reader, "llama.attention.head_count", path)
-    kv_heads = _field(reader, "llama.attention.head_count_kv", path, default=heads)
-    return reader.tensors, heads, kv_heads
-
-
-def hf_name(gguf_name: str) -> tuple[str, int | None]:
-    """The Hugging Face Llama name of a GGUF tensor and its layer (None outside the blocks)."""
+def _fused_group(gguf_name: str) -> tuple[str, str] | None:
+    """(block, fused linear) of a q/k/v or gate/up weight; None for any other tensor."""
     match = _BLOCK.fullmatch(gguf_name)
-    if match and match[2] in _BLOCK_NAMES:
+    if match is None or match[2] not in _FUSED:
+        return None
+    return match[1], _FUSED[match[2]]
+
+
+def _mixed_fused_groups(tensors: list[GGUFTensor]) -> set[tuple[str, str]]:
+    """The fused groups whose members do not all keep blocks of one bit width."""
+    forms: dict[tuple[str, str], set] = {}
+    for tensor in tensors:
+        group = _fused_group(tensor.name)
+        if group is not None:
+            forms.setdefault(group, set()).add(KEPT_BITS.get(tensor.kind, "dense"))
+    return {group for group, kinds in forms.items() if len(kinds) > 1 or "dense" in kinds}
+
+
+def hf_name(gguf_name: str, arch: str = "llama") -> tuple[str, int | None]:
+    """The Hugging Face name of a GGUF tensor of `arch` and its layer (None outside the blocks)."""
+    match = _BLOCK.fullmatch(gguf_name)
+    block_names = _ARCHS[arch].block_names
+    if match and match[2] in block_names:
         layer = int(match[1])
-        return f"model.layers.{layer}.{_BLOCK_NAMES[match[2]]}.{match[3]}", layer
+        return f"model.layers.{layer}.{block_names[match[2]]}.{match[3]}", layer
     match = _GLOBAL.fullmatch(gguf_name)
     if match and match[1] in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[match[1]]}.{match[2]}", None
-    raise ValueError(f"GGUF tensor {gguf_name} has no Hugging Face Llama name")
+    raise ValueError(f"GGUF tensor {gguf_name} has no Hugging Face {arch} name")
 
 
 def _unpermute_rows(rows: int, n_head: int, name: str) -> np.ndarray:
@@ -128,6 +193,8 @@ def _decode(name: str, kind: str, data: np.ndarray) -> torch.Tensor | QuantizedW
         return torch.from_numpy(np.array(data, dtype=np.float16))
     if kind == "BF16":  # the reader gives raw bytes: [..., 2 * columns] uint8
         return torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16)
+    if kind in DEQUANTIZED:  # super-blocks of 256 (K) or 5-bit blocks: no kernel, dense fp32
+        return torch.from_numpy(_dequantize(data, kind))
     if data.ndim != 2:
         raise ValueError(f"GGUF tensor {name}: {kind} is read as a matrix, got "
                          f"{data.ndim} dimensions")
@@ -149,6 +216,14 @@ def _decode(name: str, kind: str, data: np.ndarray) -> torch.Tensor | QuantizedW
                            torch.from_numpy(offsets))
 
 
+def _dequantize(data: np.ndarray, kind: str) -> np.ndarray:
+    """gguf-py's dequantization to fp32 (a new array), the one transformers' loader uses."""
+    import gguf
+
+    out = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind])
+    return np.array(out, dtype=np.float32)  # a copy for F32, whose "dequantization" is a view
+
+
 def _fp16_to_fp32(raw: np.ndarray) -> np.ndarray:
     """[rows, blocks, 2] little-endian fp16 bytes -> fp32 [rows, blocks]."""
     return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
@@ -167,16 +242,108 @@ def _reorder_nibbles(qs: np.ndarray) -> np.ndarray:
     return out
 
 
-def _field(reader, key: str, path: Path, default=None):
+def _field(file: GGUFFile, key: str, path: Path, default=None):
     """A metadata value (a scalar, or a list for an array field); ValueError if absent."""
-    field = reader.fields.get(key)
-    if field is None:
+    value = file.metadata.get(key)
+    if value is None:
         if default is None:
             raise ValueError(f"GGUF file {path} has no {key} metadata")
         return default
-    return field.contents()
+    return value.tolist() if isinstance(value, np.ndarray) else value
 
 
 def _per_layer(value, layer: int | None) -> int:
     """A head count, given once or per layer (llama.cpp accepts both)."""
     return int(value[layer] if isinstance(value, list) else value)
+
+
+# --- the file format (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md) ---------------
+
+_MAGIC = b"GGUF"
+_VERSIONS = (2, 3)  # as gguf-py's reader: v1 had 32-bit counts
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+            10: "<Q", 11: "<q", 12: "<d"}  # GGUFValueType -> struct format
+_STRING, _ARRAY = 8, 9
+_DEFAULT_ALIGNMENT = 32
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """The metadata and tensors (views of a read-only memory map) of the GGUF file `path`."""
+    import gguf
+
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    buf = memoryview(raw)
+    if bytes(buf[:4]) != _MAGIC:
+        raise ValueError(f"GGUF file {path}: not a GGUF file (no GGUF magic)")
+    version, n_tensors, n_fields = struct.unpack_from("<IQQ", buf, 4)
+    if version not in _VERSIONS:
+        if version & 0xFFFF == 0:
+            raise ValueError(f"GGUF file {path} is in the other byte order; pdserve reads "
+                             "little-endian GGUF files")
+        raise ValueError(f"GGUF file {path}: version {version}; pdserve reads versions 2 and 3")
+    offset, metadata = 24, {}
+    for _ in range(n_fields):
+        key, offset = _read_string(buf, offset)
+        (kind,), offset = struct.unpack_from("<I", buf, offset), offset + 4
+        metadata[key], offset = _read_value(buf, offset, kind)
+    infos = []
+    for _ in range(n_tensors):
+        name, offset = _read_string(buf, offset)
+        (n_dims,) = struct.unpack_from("<I", buf, offset)
+        dims = struct.unpack_from(f"<{n_dims}Q", buf, offset + 4)
+        kind, start = struct.unpack_from("<IQ", buf, offset + 4 + 8 * n_dims)
+        offset += 4 + 8 * n_dims + 12
+        infos.append((name, gguf.GGMLQuantizationType(kind), dims, start))
+    alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+    data_start = -(-offset // alignment) * alignment
+    tensors = [_tensor(raw, data_start, info, path) for info in infos]
+    return GGUFFile(metadata, tensors)
+
+
+def _tensor(raw: np.ndarray, data_start: int, info: tuple, path) -> GGUFTensor:
+    """A tensor as gguf-py's reader shapes it (see GGUFTensor.data)."""
+    import gguf
+
+    name, qtype, dims, start = info
+    shape = tuple(int(d) for d in reversed(dims))  # GGUF lists the fastest dimension first
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    n_bytes = int(np.prod(shape, dtype=np.int64)) * type_size // block
+    begin = data_start + start
+    if begin + n_bytes > raw.size:
+        raise ValueError(f"GGUF file {path}: tensor {name} runs past the end of the file "
+                         "(truncated?)")
+    data = raw[begin:begin + n_bytes]
+    if qtype == gguf.GGMLQuantizationType.F32:
+        data = data.view(np.float32).reshape(shape)
+    elif qtype == gguf.GGMLQuantizationType.F16:
+        data = data.view(np.float16).reshape(shape)
+    else:
+        data = data.reshape(gguf.quant_shape_to_byte_shape(shape, qtype))
+    return GGUFTensor(name, qtype.name, data)
+
+
+def _read_string(buf: memoryview, offset: int) -> tuple[str, int]:
+    (length,) = struct.unpack_from("<Q", buf, offset)
+    end = offset + 8 + length
+    return str(buf[offset + 8:end], "utf-8", "replace"), end
+
+
+def _read_value(buf: memoryview, offset: int, kind: int) -> tuple[Any, int]:
+    if kind == _STRING:
+        return _read_string(buf, offset)
+    if kind in _SCALARS:
+        fmt = _SCALARS[kind]
+        return struct.unpack_from(fmt, buf, offset)[0], offset + struct.calcsize(fmt)
+    if kind != _ARRAY:
+        raise ValueError(f"GGUF metadata value of unknown type {kind}")
+    item_kind, count = struct.unpack_from("<IQ", buf, offset)
+    offset += 12
+    if item_kind in _SCALARS:  # numeric arrays at once, not item by item
+        dtype = np.dtype(_SCALARS[item_kind])
+        end = offset + count * dtype.itemsize
+        return np.frombuffer(buf[offset:end], dtype=dtype).copy(), end
+    items = []
+    for _ in range(count):
+        item, offset = _read_value(buf, offset, item_kind)
+        items.append(item)
+    return items, offset

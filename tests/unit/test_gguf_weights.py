@@ -123,18 +123,20 @@ def test_q_and_k_rows_return_to_hugging_face_order(tmp_path):
 
 
 def test_a_refused_type_names_the_tensor_and_its_type(tmp_path):
-    block, size = gguf.GGML_QUANT_SIZES[Q.Q6_K]
+    block, size = gguf.GGML_QUANT_SIZES[Q.Q2_K]
     raw = np.random.default_rng(5).integers(0, 256, (8, size), dtype=np.uint8)
-    path = _write(tmp_path / "m.gguf", {"blk.0.ffn_down.weight": (raw, Q.Q6_K)})
+    path = _write(tmp_path / "m.gguf", {"blk.0.ffn_down.weight": (raw, Q.Q2_K)})
     assert block == 256
-    with pytest.raises(ValueError, match=r"GGUF tensor blk\.0\.ffn_down\.weight is Q6_K; "
-                                         r"pdserve loads F32, F16, BF16, Q8_0, Q4_0 and Q4_1"):
+    with pytest.raises(ValueError, match=r"GGUF tensor blk\.0\.ffn_down\.weight is Q2_K; "
+                                         r"pdserve loads F32, F16, BF16, Q8_0, Q4_0, Q4_1, "
+                                         r"Q5_0, Q5_1, Q4_K, Q5_K and Q6_K"):
         list(iter_gguf(path))
 
 
 def test_other_architectures_and_unknown_tensors_are_refused(tmp_path):
     x = (np.ones(32, dtype=np.float32), Q.F32)
-    with pytest.raises(ValueError, match="general.architecture is 'qwen2'"):
+    with pytest.raises(ValueError, match="general.architecture is 'qwen2'; pdserve reads "
+                                         "llama and gemma3 GGUF files"):
         list(iter_gguf(_write(tmp_path / "q.gguf", {"output_norm.weight": x}, arch="qwen2")))
     with pytest.raises(ValueError, match="GGUF tensor blk.0.ssm_a has no Hugging Face"):
         list(iter_gguf(_write(tmp_path / "u.gguf", {"blk.0.ssm_a": x})))
