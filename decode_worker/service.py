@@ -26,6 +26,7 @@ import time
 
 import grpc
 
+from pdserve.address import host_port
 from pdserve.cluster_secret import ClusterSecret
 from pdserve.decode_worker.coalesce import coalesce
 from pdserve.decode_worker.outputs import DecodeOutput
@@ -197,7 +198,7 @@ class DecodeService:
         self.worker = worker
         self.server = worker_server(secret, MAX_RPC_THREADS, "decode-rpc")
         self.port = bind(self.server, host, tls)
-        self.address = f"{host}:{self.port}"
+        self.address = host_port(host, self.port)
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
             DecodeServicer(worker, worker_id, stall_timeout_s, orphan_after_s), self.server
         )

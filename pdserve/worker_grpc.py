@@ -22,6 +22,7 @@ from concurrent import futures
 
 import grpc
 
+from pdserve.address import host_port
 from pdserve.cluster_secret import ClusterAuthInterceptor, ClusterSecret
 from pdserve.tls import TLSFiles
 
@@ -82,8 +83,8 @@ def worker_tls(paths: Mapping[str, str | None]) -> TLSFiles | None:
 def bind(server: grpc.Server, host: str, tls: TLSFiles | None) -> int:
     """Bind a free port on `host`: mutual TLS when `tls` is given, else plaintext; the port."""
     if tls is None:
-        return server.add_insecure_port(f"{host}:0")
+        return server.add_insecure_port(host_port(host, 0))
     if tls.ca is None:
         raise ValueError("worker-plane TLS is mutual: it needs the CA that signs the router's "
                          "client certificate")
-    return server.add_secure_port(f"{host}:0", tls.server_credentials())
+    return server.add_secure_port(host_port(host, 0), tls.server_credentials())

@@ -21,6 +21,7 @@ from concurrent import futures
 
 import grpc
 
+from pdserve.address import host_port
 from pdserve.cluster_secret import ClusterSecret
 from pdserve.kvtransfer.descriptor import Endpoint, TransferDescriptor
 from pdserve.kvtransfer.rendezvous import GlooConnector
@@ -117,7 +118,7 @@ class PrefillService:
                  redis_password: str | None = None) -> None:
         self.server = worker_server(secret, MAX_RPC_THREADS, "prefill-rpc")
         self.port = bind(self.server, spec.host, spec.tls())  # mutual TLS when the spec says
-        self.address = f"{spec.host}:{self.port}"
+        self.address = host_port(spec.host, self.port)
         self.publisher = None
         if spec.redis_url:
             self.publisher = PrefixIndexPublisher(

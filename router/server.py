@@ -27,6 +27,7 @@ from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from pdserve import defaults
+from pdserve.address import host_port
 from pdserve.proto import pdserve_pb2, worker_pb2
 from pdserve.router.admission import Overloaded, ShuttingDown
 from pdserve.router.auth import APITokens, authorized, call_tenant
@@ -216,7 +217,7 @@ class RouterServer:
         self.server = GrpcServer(_methods(servicer, self.health),
                                  authorize=partial(authorized, tokens) if tokens else None)
         self.port = self.server.bind(host, port)
-        self.address = f"{host}:{self.port}"
+        self.address = host_port(host, self.port)
         self._tls = tls
         self.tls = tls is not None  # clients need TLS (grpcs) to reach it
         self._maintenance: asyncio.Task | None = None

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve.address import split_host_port
 from pdserve.cluster_secret import ClusterSecret
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.router.validation import InvalidArgument
@@ -211,8 +212,8 @@ class PrefillClient(WorkerClient):
         super().__init__(worker_id, "prefill", address, secret, rpc_timeout_s, tls)
         self._stub = worker_pb2_grpc.PrefillWorkerStub(self.channel)
         self._calls: set[grpc.aio.UnaryUnaryCall] = set()  # Prefill RPCs in flight here
-        host, port = address.rsplit(":", 1)
-        self.source = worker_pb2.Endpoint(host=host, port=int(port), rank=0)  # its KV identity
+        host, port = split_host_port(address)
+        self.source = worker_pb2.Endpoint(host=host, port=port, rank=0)  # its KV identity
 
     async def prefill(self, request: worker_pb2.PrefillRequest, num_tokens: int,
                       timeout: float) -> worker_pb2.PrefillResponse:

@@ -32,7 +32,8 @@ def local_cluster(nodes: Sequence[tuple[int, dict[str, float]]]) -> Iterator:
     cluster with this process connected to it as the driver."""
     from pdserve.launch.ray_runtime import start_ray, stop_ray
 
-    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "RAY_USAGE_STATS_ENABLED")}
+    saved = {k: os.environ.get(k)  # start_ray may set RAY_AUTH_MODE (a token is at hand)
+             for k in ("RAY_TMPDIR", "RAY_USAGE_STATS_ENABLED", "RAY_AUTH_MODE")}
     started = time.monotonic()
     tmpdir = cluster = None
     try:

@@ -15,8 +15,10 @@ from collections.abc import Sequence
 import ray
 
 from pdserve import defaults
+from pdserve.address import split_host_port
 
 WILDCARD_HOSTS = ("0.0.0.0", "::")  # bind every interface; not an address to dial
+GCS_PROBE_TIMEOUT_S = 5.0
 
 
 def start_ray(address: str | None, resources: dict[str, float], num_cpus: int | None,
@@ -33,10 +35,47 @@ def start_ray(address: str | None, resources: dict[str, float], num_cpus: int | 
             ray.init(address="local", _node_ip_address=defaults.HOST, include_dashboard=False,
                      resources=dict(resources), num_cpus=num_cpus)
         return
-    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        host = split_host_port(address)[0]
+    except ValueError:  # "auto", or another form Ray resolves (and authenticates) itself
+        host = None
+    else:
+        _send_token_if_needed(address)
     loopback = host in defaults.LOOPBACK_HOSTS
     with _loopback_stays_loopback() if loopback else contextlib.nullcontext(), _signals_kept():
         ray.init(address=address)
+
+
+def _send_token_if_needed(address: str) -> None:
+    """Join with Ray's auth token when the cluster asks for one and RAY_AUTH_MODE is unset.
+
+    A new local Ray cluster turns token authentication on (and writes ~/.ray/auth_token), and
+    so does `ray start --head` wherever that file exists; but `ray.init` with an explicit
+    address sends no token unless RAY_AUTH_MODE=token, so joining such a cluster failed after
+    20 s ("InvalidAuthToken"). The GCS answers one unauthenticated call at once: UNAUTHENTICATED
+    means the cluster wants the token (a cluster without authentication must not get one: its
+    workers could not call back into a driver that then demands it). RAY_AUTH_MODE set either
+    way is obeyed as it is."""
+    if os.environ.get("RAY_AUTH_MODE") is not None:
+        return
+    import grpc
+    from ray._private.authentication.authentication_token_setup import (
+        maybe_enable_token_auth_if_token_available,
+    )
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+                gcs_service_pb2.GetClusterIdRequest(), timeout=GCS_PROBE_TIMEOUT_S)
+            return
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAUTHENTICATED:
+                return  # unreachable or else: ray.init reports it as it does
+    if not maybe_enable_token_auth_if_token_available(warn_if_disabled=False):
+        raise ValueError(
+            f"ray_address: the Ray cluster at {address} requires its auth token: copy the "
+            "head's ~/.ray/auth_token here (or point RAY_AUTH_TOKEN_PATH at it)")
 
 
 def node_addresses() -> list[str]:

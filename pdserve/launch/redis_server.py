@@ -31,6 +31,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from pdserve import defaults
+from pdserve.address import host_port
 
 logger = logging.getLogger(__name__)
 
@@ -131,8 +132,7 @@ class RedisServer:
     @property
     def url(self) -> str:
         auth = f":{quote(self.password, safe='')}@" if self.password is not None else ""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"redis://{auth}{host}:{self._port}/0"
+        return f"redis://{auth}{host_port(self.host, self._port)}/0"
 
     @property
     def running(self) -> bool:

@@ -16,6 +16,7 @@ import ssl
 
 import uvicorn
 
+from pdserve.address import host_port
 from pdserve.tls import TLSFiles
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ class HTTPServer:
         # connections over them (gRPC's own servers set SO_REUSEPORT too, by default)
         self.socket = socket.create_server((host, port), family=family, reuse_port=reuse_port)
         self.port = self.socket.getsockname()[1]
-        self.url = f"{'https' if tls else 'http'}://{host}:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://{host_port(host, self.port)}"
         # httptools: the C HTTP parser (h11, the pure-Python one, costs more per request).
         # A stop cuts what is still running after half a second (the last writes of a drained
         # stream): letting requests finish is the drain's job (`RouterServer.drain`).

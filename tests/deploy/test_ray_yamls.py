@@ -217,3 +217,14 @@ def test_cli(tmp_path, capsys):
     assert main([str(path), str(tmp_path / "missing.yaml")]) == 1
     err = capsys.readouterr().err
     assert "Ray: `head_node_type` must be one of" in err and "can't read it" in err
+
+
+@pytest.mark.parametrize("path", [CLUSTER, LOCAL], ids=lambda p: p.name)
+def test_every_node_starts_ray_with_the_one_mounted_token(path):
+    """One auth mode on every node, and the launcher's token on each (docs/deploy.md)."""
+    config = _load(path)
+    starts = [line for key in ("head_start_ray_commands", "worker_start_ray_commands")
+              for line in config[key] if "ray start" in line]
+    assert len(starts) == 2
+    assert all("RAY_AUTH_MODE=token ray start" in line for line in starts)
+    assert config["file_mounts"] == {"~/.ray/auth_token": "~/.ray/auth_token"}
