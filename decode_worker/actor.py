@@ -88,7 +88,7 @@ class DecodeRankActor:
             )
             group = tp_group(store, self.spec.host, self.rank, self.tp_size,
                              timedelta(seconds=self.spec.tp_timeout_s))
-            tp = TensorParallel(self.rank, self.tp_size, group)
+            tp = TensorParallel(self.rank, self.tp_size, group, self.spec.enable_expert_parallel)
         if self.listener is None:
             self.listener = GlooListener(self.spec.host, rank=self.rank, port=kv_port,
                                          host_store=False, connect_timeout_s=CONNECT_TIMEOUT_S,

@@ -13,14 +13,22 @@ from pdserve.kernels.backend import KernelBackend
 
 
 class Attention(torch.nn.Module):
-    """Stores the step's K/V into the cache, then attends: decodes and prefills apart."""
+    """Stores the step's K/V into the cache, then attends: decodes and prefills apart.
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, ops: KernelBackend):
+    `scale` multiplies q.k (default head_dim ** -0.5); `window` limits each query to the last
+    `window` positions (a sliding-window layer); `soft_cap` caps the scaled scores as
+    soft_cap * tanh(score / soft_cap) (Gemma 2)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, ops: KernelBackend,
+                 scale: float | None = None, window: int | None = None,
+                 soft_cap: float | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.window = window
+        self.soft_cap = soft_cap
         self.ops = ops
 
     def forward(
@@ -31,4 +39,5 @@ class Attention(torch.nn.Module):
         kv_cache: tuple[torch.Tensor, ...],  # (k, v) [num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,  # (+ k_scale, v_scale [num_blocks, block_size, Hkv] if int8)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        return self.ops.attention(q, k, v, kv_cache, meta, self.scale)
+        return self.ops.attention(q, k, v, kv_cache, meta, self.scale,
+                                  sliding_window=self.window, soft_cap=self.soft_cap)

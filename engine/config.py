@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from pdserve.engine.models import SUPPORTED_ARCHITECTURES
 from pdserve.engine.quantization import (
     Quantization,
     checkpoint_method,
@@ -25,7 +26,6 @@ logger = logging.getLogger(__name__)
 DTYPES = ("float32", "bfloat16", "float16")
 CACHE_DTYPES = ("auto", "int8")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,10 @@ class ModelConfig:
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
     quantization: Quantization | None = None  # weight-only (engine/quantization.py)
+    # per layer: the sliding attention window in tokens, or None (the whole context)
+    layer_windows: tuple[int | None, ...] = ()
+    # transformers' config object: the architecture's own fields, read by its model class
+    hf_config: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -98,7 +102,8 @@ def load_model_config(
     num_heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
     max_positions = hf.max_position_embeddings
-    max_model_len = _max_model_len(hf, max_model_len)
+    if max_model_len is None:
+        max_model_len = max_positions
     eos = hf.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
     return ModelConfig(
@@ -121,6 +126,8 @@ def load_model_config(
         eos_token_ids=eos_ids,
         quantization=resolve_quantization(quantization, checkpoint_method(hf), has_gguf(path),
                                           quantization_group_size),
+        layer_windows=layer_windows(hf),
+        hf_config=hf,
     )
 
 
@@ -131,27 +138,17 @@ def checkpoint_dtype(hf: Any) -> str:
     return name if name in DTYPES else "float32"
 
 
-def _max_model_len(hf: Any, requested: int | None) -> int:
-    """The context window: as asked, else the model's; a sliding window caps it (the engine
-    attends to the whole context, so it refuses what only a window could serve)."""
-    max_positions = hf.max_position_embeddings
-    window = _sliding_window(hf)
-    if requested is None:
-        return min(max_positions, window) if window else max_positions
-    if window and requested > window:
-        raise ValueError(
-            f"sliding_window: the model attends to a {window}-token window, which this engine "
-            f"does not implement; pass max_model_len <= {window} (got {requested})"
-        )
-    return requested
-
-
-def _sliding_window(hf: Any) -> int | None:
-    """The active sliding window, if any (Qwen2 keeps one in config but may not use it)."""
-    window = getattr(hf, "sliding_window", None)
+def layer_windows(hf: Any) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention), as transformers applies them: by
+    `layer_types` where the config has them (Gemma 2/3, Qwen2/3), else one `sliding_window` for
+    every layer (Mistral, Mixtral, Phi-3), unless `use_sliding_window` is false."""
+    window = getattr(hf, "sliding_window", None) or None
+    types = getattr(hf, "layer_types", None)
+    if types is not None:
+        return tuple(window if t == "sliding_attention" else None for t in types)
     if getattr(hf, "use_sliding_window", True) is False:
-        return None
-    return window or None
+        window = None
+    return (window,) * hf.num_hidden_layers
 
 
 def _rope_parameters(hf: Any) -> dict[str, Any]:

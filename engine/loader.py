@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pdserve.engine.config import ModelConfig
 from pdserve.engine.quantization import Quantization
 from pdserve.kernels.quant_weights import QuantizedWeight, quantize
 
@@ -22,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 Weight = torch.Tensor | QuantizedWeight
 
+_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                "down_proj": "down", "w2": "down"}
 # HF tensor name -> (our module path, fused shard name)
 _RULES = [
     (re.compile(r"model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)"),
@@ -32,14 +35,30 @@ _RULES = [
      lambda m: (f"layers.{m[1]}.mlp.gate_up_proj", m[2], m[3])),
     (re.compile(r"model\.layers\.(\d+)\.mlp\.down_proj\.(weight)"),
      lambda m: (f"layers.{m[1]}.mlp.down_proj", "", m[2])),
-    (re.compile(r"model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.(weight)"),
+    (re.compile(r"model\.layers\.(\d+)\.((?:input|post_attention|pre_feedforward|"
+                r"post_feedforward)_layernorm)\.(weight)"),
      lambda m: (f"layers.{m[1]}.{m[2]}", "", m[3])),
+    (re.compile(r"model\.layers\.(\d+)\.self_attn\.([qk]_norm)\.(weight)"),
+     lambda m: (f"layers.{m[1]}.self_attn.{m[2]}", "", m[3])),
+    # Mixture of experts: Qwen3-MoE's mlp.*, Mixtral's block_sparse_moe.* (w1 gate, w3 up,
+    # w2 down), or all experts stacked as transformers 5 holds them
+    (re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate\.(weight)"),
+     lambda m: (f"layers.{m[1]}.mlp.gate", "", m[2])),
+    (re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight"),
+     lambda m: (f"layers.{m[1]}.mlp.experts", f"{m[2]}.{_EXPERT_PART[m[3]]}",
+                "w2" if _EXPERT_PART[m[3]] == "down" else "w13")),
+    (re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj"),
+     lambda m: (f"layers.{m[1]}.mlp.experts", m[2], "w2" if m[2] == "down" else "w13")),
     (re.compile(r"model\.(embed_tokens|norm)\.(weight)"), lambda m: (m[1], "", m[2])),
     (re.compile(r"(lm_head)\.(weight)"), lambda m: (m[1], "", m[2])),
 ]
 _LINEAR_WEIGHT = re.compile(
-    r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+    r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|"
+    r"(mlp|block_sparse_moe)\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3))\.weight")
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# Phi-3 keeps q/k/v and gate/up fused in one tensor each: split into the names of the others
+_FUSED = re.compile(r"(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight")
 
 
 def load_weights(model: torch.nn.Module, path: str | Path,
@@ -57,10 +76,28 @@ def load_weights(model: torch.nn.Module, path: str | Path,
 
         load_tensors(model, iter_quantized(path, checkpoint_quantization(path)), str(path))
     else:
-        named = iter_safetensors(path)
+        named = split_fused(iter_safetensors(path), model.config)
         if quantization is not None and quantization.bits:
             named = _quantize_linears(named, quantization)
         load_tensors(model, named, str(path))
+
+
+def split_fused(named: Iterable[tuple[str, Weight]], cfg: ModelConfig
+                ) -> Iterator[tuple[str, Weight]]:
+    """Phi-3's fused qkv_proj / gate_up_proj as the separate q/k/v, gate/up tensors."""
+    for name, tensor in named:
+        match = _FUSED.fullmatch(name)
+        if match is None:
+            yield name, tensor
+            continue
+        prefix, which = match[1], match[2]
+        if which == "mlp.gate_up_proj":
+            parts = dict(zip(("gate", "up"), tensor.chunk(2, dim=0)))
+            yield from ((f"{prefix}mlp.{p}_proj.weight", t.contiguous()) for p, t in parts.items())
+            continue
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        for part, t in zip("qkv", tensor.split([q, kv, kv], dim=0)):
+            yield f"{prefix}self_attn.{part}_proj.weight", t.contiguous()
 
 
 def _quantize_linears(named: Iterable[tuple[str, Weight]], quantization: Quantization

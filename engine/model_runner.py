@@ -18,7 +18,7 @@ import torch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.loader import load_weights
-from pdserve.engine.models import MODEL_CLASSES
+from pdserve.engine.models import model_class
 from pdserve.engine.models.parallel import TensorParallel, prepare_weights, weight_bytes
 from pdserve.engine.prompt_logprobs import compute_prompt_logprobs
 from pdserve.engine.sampler import (
@@ -56,8 +56,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.ops = get_backend(self.device, config.kernel_backend)
         cfg = config.model
-        model_class = MODEL_CLASSES[cfg.architecture]
-        self.model = model_class(cfg, self.tp, self.ops, self.dtype, self.device)
+        self.model = model_class(cfg.architecture)(cfg, self.tp, self.ops, self.dtype, self.device)
         load_weights(self.model, cfg.path, cfg.quantization)
         prepare_weights(self.model, self.ops, self.dtype)  # each linear in the backend's form
         self.weight_bytes = weight_bytes(self.model)

@@ -21,11 +21,13 @@ from pdserve.kernels.attention_metadata import AttentionMetadata
 
 @dataclass(frozen=True)
 class DecoderBlock:
-    """A pre-norm decoder layer with fused projections (Llama, Qwen2, Mistral): RMSNorm, QKV
-    (+ bias), RoPE over the whole head (`rope`: cos, sin [max_positions, head_dim] fp32), paged
-    attention, O; then RMSNorm, gate|up, SiLU * up, down. The linears are this backend's
-    prepared kernels; `all_reduce` sums the partial outputs of O and down across tensor-parallel
-    ranks (None without tensor parallelism)."""
+    """A pre-norm decoder layer with fused projections (Llama, Qwen2, Qwen3, Mistral): RMSNorm,
+    QKV (+ bias), per-head q/k RMSNorms (Qwen3: `q_norm`, `k_norm` over each head's head_dim
+    values, with `eps`), RoPE over the whole head (`rope`: cos, sin [max_positions, head_dim]
+    fp32), paged attention (a query at position p sees keys p - `window` < j <= p; None: all
+    j <= p), O; then RMSNorm, gate|up, SiLU * up, down. The linears are this backend's prepared
+    kernels; `all_reduce` sums the partial outputs of O and down across tensor-parallel ranks
+    (None without tensor parallelism)."""
 
     input_norm: torch.Tensor  # [hidden]
     qkv: Callable[..., torch.Tensor]  # LinearKernel, [(H + 2 Hkv) * D] outputs
@@ -40,6 +42,9 @@ class DecoderBlock:
     eps: float
     rope: tuple[torch.Tensor, torch.Tensor]
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None
+    q_norm: torch.Tensor | None = None  # [head_dim]
+    k_norm: torch.Tensor | None = None  # [head_dim]
+    window: int | None = None  # sliding window in tokens; None: the whole context
 
 
 class DecoderLayers(torch.nn.ModuleList):

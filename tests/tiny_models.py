@@ -1,4 +1,4 @@
-"""Write small random-weight Llama / Qwen2 checkpoints (HF format) for fast tests.
+"""Write small random-weight checkpoints (HF format) of every served architecture for fast tests.
 
 The weights are drawn with a large enough spread that logits are well separated, so greedy
 decoding is not decided by float rounding and two correct implementations agree.
@@ -26,7 +26,12 @@ _BASE = {
     "eos_token_id": 2,
     "torch_dtype": "float32",
 }
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 
 
 def write_tiny_model(

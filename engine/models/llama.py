@@ -1,8 +1,12 @@
-"""The Llama-family network (Llama, Qwen2, Mistral) on paged attention.
+"""The Llama-family network on paged attention: Llama, Mistral, Qwen2, Qwen3, Phi-3, and the
+Mixture-of-Experts members Mixtral and Qwen3-MoE.
 
 Our own modules, not Hugging Face's: fused QKV and gate/up projections (TP-sharded at load),
-GQA, RoPE, RMSNorm with fused residual add, SwiGLU, optional QKV bias (Qwen2), tied
-embeddings. Tokens of all sequences in a step are one flat batch: [num_tokens, hidden].
+GQA, RoPE, RMSNorm with fused residual add, SwiGLU, tied embeddings. What the members add is
+config-driven: QKV bias (Qwen2), per-head q/k RMSNorm before RoPE (Qwen3), sliding windows
+(Mistral, Phi-3, Qwen2/3 `layer_types`), top-k routed experts in place of the MLP (Mixtral,
+Qwen3-MoE: `engine.models.moe`). Phi-3's fused checkpoint tensors are split at load
+(`engine.loader`). Tokens of all sequences in a step are one flat batch: [num_tokens, hidden].
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import torch
 
 from pdserve.engine.attention import Attention
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.models.moe import SparseMoe, is_moe_layer
 from pdserve.engine.models.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -41,9 +46,18 @@ class RMSNorm(torch.nn.Module):
         self.weight.data.copy_(tensor)
 
 
+# architectures whose attention RMS-normalizes each head of q and k before RoPE
+QK_NORM = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
+
+
 class LlamaAttention(torch.nn.Module):
+    """`norm` makes the per-head q/k norms (None: none); `window` is this layer's sliding
+    window, `scale` and `soft_cap` what the attention scores are multiplied and capped by."""
+
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, ops: KernelBackend,
-                 rope: tuple[torch.Tensor, torch.Tensor], **kw):
+                 rope: tuple[torch.Tensor, torch.Tensor], window: int | None = None,
+                 norm: Callable[[], torch.nn.Module] | None = None, scale: float | None = None,
+                 soft_cap: float | None = None, **kw):
         super().__init__()
         d = cfg.head_dim
         self.num_heads = tp.split(cfg.num_heads, "num_attention_heads")
@@ -51,9 +65,11 @@ class LlamaAttention(torch.nn.Module):
         shards = {"q": cfg.num_heads * d, "k": cfg.num_kv_heads * d, "v": cfg.num_kv_heads * d}
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, shards, cfg.attention_bias, tp, **kw)
         self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp, **kw)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, d, ops)
+        self.q_norm = norm() if norm else None
+        self.k_norm = norm() if norm else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, ops, scale, window, soft_cap)
         self.head_dim = d
-        self.rope = rope  # the model's cos, sin tables, shared by every layer
+        self.rope = rope  # the model's cos, sin tables, shared by every layer (of a kind)
         self.ops = ops
 
     def forward(
@@ -69,31 +85,44 @@ class LlamaAttention(torch.nn.Module):
         q = q.reshape(-1, self.num_heads, d)  # [T, H, D]
         k = k.reshape(-1, self.num_kv_heads, d)  # [T, Hkv, D]
         v = v.reshape(-1, self.num_kv_heads, d)
+        if self.q_norm is not None:  # over each head's d values
+            q = self.q_norm(q.reshape(-1, d))[0].reshape(-1, self.num_heads, d)
+            k = self.k_norm(k.reshape(-1, d))[0].reshape(-1, self.num_kv_heads, d)
         self.ops.rotary_embedding(q, k, positions, *self.rope)
         out = self.attn(q, k, v, kv_cache, meta)  # [T, H, D]
         return self.o_proj(out.reshape(-1, self.num_heads * d))
 
 
 class LlamaMLP(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, ops: KernelBackend, **kw):
+    """down(act(gate) * up): SwiGLU, or Gemma's GeGLU with `act=ops.gelu_tanh_and_mul`."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, ops: KernelBackend,
+                 act: Callable[[torch.Tensor], torch.Tensor] | None = None, **kw):
         super().__init__()
-        self.ops = ops
+        self.act = act or ops.silu_and_mul
         shards = {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, shards, False, tp, **kw)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, ops: KernelBackend,
-                 rope: tuple[torch.Tensor, torch.Tensor], **kw):
+                 rope: tuple[torch.Tensor, torch.Tensor], index: int, **kw):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, **kw)
-        self.self_attn = LlamaAttention(cfg, tp, ops, rope, **kw)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, **kw)
-        self.mlp = LlamaMLP(cfg, tp, ops, **kw)
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, ops, **kw)
+        norm = (lambda: RMSNorm(cfg.head_dim, eps, ops, **kw)) if cfg.architecture in QK_NORM \
+            else None
+        window = cfg.layer_windows[index] if cfg.layer_windows else None
+        if window is not None and window >= cfg.max_model_len:
+            window = None  # no context is long enough to leave it
+        self.self_attn = LlamaAttention(cfg, tp, ops, rope, window, norm, **kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, ops, **kw)
+        moe = is_moe_layer(cfg, index)
+        self.mlp = SparseMoe(cfg, tp, ops, **kw) if moe else LlamaMLP(cfg, tp, ops, **kw)
 
     def forward(self, hidden, residual, positions, kv_cache, meta):
         hidden, residual = self.input_layernorm(hidden, residual)
@@ -101,20 +130,30 @@ class LlamaDecoderLayer(torch.nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
-    def block(self) -> DecoderBlock:
-        """This layer as the standard block a backend may run fused (after prepare_weights)."""
+    def block(self) -> DecoderBlock | None:
+        """This layer as the standard block a backend may run fused (after prepare_weights),
+        Qwen3's q/k norms and a sliding window included; None where it is not that block
+        (routed experts)."""
         attn, mlp = self.self_attn, self.mlp
+        if isinstance(mlp, SparseMoe):
+            return None
         tp = attn.o_proj.tp
         return DecoderBlock(
             self.input_layernorm.weight, attn.qkv_proj.kernel, attn.qkv_proj.bias,
             attn.o_proj.kernel, self.post_attention_layernorm.weight, mlp.gate_up_proj.kernel,
             mlp.down_proj.kernel, attn.num_heads, attn.num_kv_heads, attn.head_dim,
             self.input_layernorm.eps, attn.rope, tp.all_reduce if tp.size > 1 else None,
+            q_norm=attn.q_norm.weight if attn.q_norm is not None else None,
+            k_norm=attn.k_norm.weight if attn.k_norm is not None else None,
+            window=attn.attn.window,
         )
 
 
 class LlamaForCausalLM(torch.nn.Module):
-    """Also serves Qwen2ForCausalLM and MistralForCausalLM (same graph, config-driven)."""
+    """Every architecture of the module doc (one graph, config-driven). A family that differs
+    in its layers, its norm or its embedding subclasses it (`engine.models.gemma`)."""
+
+    norm_class = RMSNorm
 
     def __init__(
         self, cfg: ModelConfig, tp: TensorParallel, ops: KernelBackend,
@@ -124,19 +163,23 @@ class LlamaForCausalLM(torch.nn.Module):
         kw = {"dtype": dtype, "device": device}
         self.config = cfg
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, **kw)
-        self.rope = rope_tables(
-            cfg.rope_parameters, cfg.head_dim, cfg.max_position_embeddings,
-            cfg.max_model_len, device,
-        )
-        self.layers = ops.decoder_layers(
-            LlamaDecoderLayer(cfg, tp, ops, self.rope, **kw) for _ in range(cfg.num_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, **kw)
+        self.layers = ops.decoder_layers(self.decoder_layers(cfg, tp, ops, kw))
+        self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps, ops, **kw)
         self.lm_head = (
             self.embed_tokens
             if cfg.tie_word_embeddings
             else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, **kw)
         )
+
+    def decoder_layers(self, cfg: ModelConfig, tp: TensorParallel, ops: KernelBackend,
+                       kw: dict) -> list[torch.nn.Module]:
+        """The layers, all sharing one cos/sin table."""
+        rope = rope_tables(cfg.rope_parameters, cfg.head_dim, cfg.max_position_embeddings,
+                           cfg.max_model_len, kw["device"])
+        return [LlamaDecoderLayer(cfg, tp, ops, rope, i, **kw) for i in range(cfg.num_layers)]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        return self.embed_tokens(input_ids)
 
     def forward(
         self,
@@ -147,7 +190,7 @@ class LlamaForCausalLM(torch.nn.Module):
         layer_hook: Callable[[int], None] | None = None,
     ) -> torch.Tensor:  # [T, hidden]
         """`layer_hook(i)` runs once layer i's K/V are in the cache (KV push overlaps compute)."""
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         hidden, residual = self.layers(hidden, positions, kv_caches, meta, layer_hook)
         return self.norm(hidden, residual)[0]
 

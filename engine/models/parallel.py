@@ -1,4 +1,5 @@
-"""Tensor-parallel building blocks: linears, embedding and LM head split over TP ranks.
+"""Tensor-parallel building blocks: linears, embedding, LM head and MoE experts split over TP
+ranks.
 
 Weights load straight into their final (sharded, fused) layout through each parameter's
 `load(tensor, shard)`, so the same checkpoint serves any TP size that divides the heads.
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels.backend import KernelBackend, LinearKernel
+from pdserve.kernels.backend import ExpertsKernel, KernelBackend, LinearKernel
 from pdserve.kernels.decoder_layers import DecoderLayers
 from pdserve.kernels.quant_weights import QuantizedWeight, cat_rows, dequantize
 
@@ -31,6 +32,7 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: Any = None
+    expert_parallel: bool = False  # MoE experts whole on each rank, not sliced (engine.models.moe)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size or (self.size > 1 and self.group is None):
@@ -124,6 +126,12 @@ class ColumnParallelLinear(ParallelLinear):
         target = self.weight if name == "weight" else self.bias
         target.data.narrow(0, self.offsets[shard], rows).copy_(local)
 
+    def loaded(self) -> torch.Tensor | QuantizedWeight:
+        if self._parts:  # some shards came quantized, others dense: half a weight either way
+            raise ValueError(f"model: the fused {'/'.join(self.shard_rows)} weight came partly "
+                             f"quantized ({', '.join(self._parts)}) and partly dense")
+        return super().loaded()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, self.bias)
 
@@ -192,6 +200,90 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.head = kernel  # the lookup keeps the plain rows
 
 
+class FusedExperts(torch.nn.Module):
+    """This rank's experts, stacked: loaded expert by expert (or whole, as transformers 5 keeps
+    them in memory), then one `ExpertsKernel` of the backend. Experts quantized at load (int8 /
+    int4, one `QuantizedWeight` per expert's gate, up and down) stay quantized: the kernel gets
+    each expert's [gate | up] and down as `QuantizedWeight`s."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 tp: TensorParallel, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        if tp.expert_parallel:
+            self.local_experts = tp.split(num_experts, "num_experts")
+            self.expert_start = tp.rank * self.local_experts
+            self.inter, self.inter_start = intermediate_size, 0
+        else:
+            self.local_experts, self.expert_start = num_experts, 0
+            self.inter = tp.split(intermediate_size, "moe_intermediate_size")
+            self.inter_start = tp.rank * self.inter
+        e, i, kw = self.local_experts, self.inter, {"dtype": dtype, "device": device}
+        self.w13 = torch.nn.Parameter(torch.empty(e, 2 * i, hidden_size, **kw), False)
+        self.w2 = torch.nn.Parameter(torch.empty(e, hidden_size, i, **kw), False)
+        self.intermediate_size = intermediate_size
+        self.dtype = dtype
+        self.kernel: ExpertsKernel | None = None  # see prepare_weights
+        self._loaded: set[str] = set()
+        self._quantized: dict[tuple[int, str], QuantizedWeight] = {}  # (local expert, part)
+
+    def load(self, name: str, tensor: torch.Tensor | QuantizedWeight, shard: str) -> None:
+        """`shard` is "<expert>.gate|up|down" for one expert's tensor, or "gate_up" / "down"
+        for all experts stacked ([E, 2 I, H] / [E, H, I])."""
+        expert, _, part = shard.rpartition(".")
+        if isinstance(tensor, QuantizedWeight):  # one expert's part, quantized
+            local = int(expert) - self.expert_start
+            if 0 <= local < self.local_experts:
+                i, start = self.inter, self.inter_start
+                dim = 1 if part == "down" else 0
+                self._quantized[local, part] = tensor.narrow(dim, start, i).contiguous()
+                self._loaded.add(f"{local}.{part}")
+            return
+        if expert:
+            local = int(expert) - self.expert_start
+            if not 0 <= local < self.local_experts:
+                return  # another rank's expert
+            self._load_expert(local, part, tensor)
+        else:
+            stacked = tensor[self.expert_start:self.expert_start + self.local_experts]
+            if part == "gate_up":
+                gate, up = stacked.chunk(2, dim=1)
+                for local in range(self.local_experts):
+                    self._load_expert(local, "gate", gate[local])
+                    self._load_expert(local, "up", up[local])
+            else:
+                for local in range(self.local_experts):
+                    self._load_expert(local, "down", stacked[local])
+
+    def _load_expert(self, local: int, part: str, tensor: torch.Tensor) -> None:
+        i, start = self.inter, self.inter_start
+        if part == "down":  # [H, I]: this rank's columns
+            self.w2.data[local].copy_(tensor[:, start:start + i])
+        else:  # [I, H]: this rank's rows, gate first
+            rows = slice(0, i) if part == "gate" else slice(i, 2 * i)
+            self.w13.data[local, rows].copy_(tensor[start:start + i])
+        self._loaded.add(f"{local}.{part}")
+
+    def prepare(self, ops: KernelBackend) -> None:
+        """After loading: the backend's kernel over the stacked weights, which are let go."""
+        missing = 3 * self.local_experts - len(self._loaded)
+        if missing:
+            raise ValueError(f"model: checkpoint lacks {missing} expert tensors")
+        if self._quantized:
+            if len(self._quantized) != 3 * self.local_experts:
+                raise ValueError("model: a MoE layer's experts are partly quantized")
+            q, experts = self._quantized, range(self.local_experts)
+            w13 = [cat_rows([q[e, "gate"], q[e, "up"]]) for e in experts]
+            self.kernel = ops.prepare_experts(w13, [q[e, "down"] for e in experts], self.dtype)
+            self._quantized = {}
+        else:
+            self.kernel = ops.prepare_experts(self.w13.data, self.w2.data, self.dtype)
+        self.w13 = self.w2 = None
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+                ) -> torch.Tensor:
+        return self.kernel(x, topk_weights, topk_ids, expert_start=self.expert_start)
+
+
 def prepare_weights(model: torch.nn.Module, ops: KernelBackend, dtype: torch.dtype) -> None:
     """After loading: every linear's weight (and the LM head's) in `ops`' serving form, each
     loaded weight let go as its kernel is made; then every layer stack bound to them."""
@@ -200,6 +292,9 @@ def prepare_weights(model: torch.nn.Module, ops: KernelBackend, dtype: torch.dty
     kernels = ops.prepare_linears((m.loaded() for m in modules), dtype)
     for module, kernel in zip(modules, kernels, strict=True):
         module.set_kernel(kernel)
+    for module in model.modules():
+        if isinstance(module, FusedExperts):
+            module.prepare(ops)
     for module in model.modules():
         if isinstance(module, DecoderLayers):
             module.prepare()
@@ -211,6 +306,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
     each tensor once."""
     tensors = list(model.parameters())
     for m in model.modules():
+        if isinstance(m, FusedExperts) and m.kernel is not None:
+            tensors += m.kernel.tensors
         if isinstance(m, ParallelLinear) and m.kernel is not None:
             tensors += m.kernel.tensors
         elif isinstance(m, VocabParallelEmbedding) and m.head is not None:

@@ -1,4 +1,4 @@
-"""Rotary embedding tables for the `rope_type`s Llama, Qwen2 and Mistral checkpoints use.
+"""Rotary embedding tables for the `rope_type`s Llama-family, Phi-3 and Gemma checkpoints use.
 
 Each variant gives inverse frequencies and an attention scaling; the table holds
 cos/sin(position * inv_freq) * scaling in float32, halves duplicated (rotate-half layout),
@@ -39,10 +39,33 @@ def inv_freq_and_scaling(
         return _llama3(inv_freq, params), 1.0
     if rope_type == "yarn":
         return _yarn(params, base, dim, max_position_embeddings)
+    if rope_type == "longrope":
+        return _longrope(params, base, dim, max_position_embeddings, max_model_len)
     raise ValueError(
         f"rope_scaling.rope_type: {rope_type!r} is not supported "
-        "(supported: default, linear, dynamic, llama3, yarn)"
+        "(supported: default, linear, dynamic, llama3, yarn, longrope)"
     )
+
+
+def _longrope(params: dict[str, Any], base: float, dim: int, max_position_embeddings: int,
+              max_model_len: int) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: per-frequency factors, `short_factor` within the original context and
+    `long_factor` beyond it, and an attention scaling from the context's growth.
+
+    transformers picks the factors per forward pass by the sequence's length, so the positions
+    of one sequence change frequencies once it outgrows the original context. A paged cache
+    can't recompute the K it holds, so the table is fixed by the context served: short factors
+    when max_model_len fits the original context (equal to transformers for every sequence),
+    long ones otherwise (equal to transformers for every sequence longer than the original)."""
+    original = params.get("original_max_position_embeddings") or max_position_embeddings
+    factor = params.get("factor") or max_position_embeddings / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(
+            1 + math.log(factor) / math.log(original))
+    ext = params["long_factor"] if max_model_len > original else params["short_factor"]
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (torch.tensor(ext, dtype=torch.float32) * base**shape), float(attention_factor)
 
 
 def _llama3(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:

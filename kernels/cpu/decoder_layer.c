@@ -12,6 +12,13 @@
  * kernel, one query per token: each token carries its sequence's block table and sees its own
  * position + 1 cached tokens, which is what the CPU prefill attention does per chunk.
  *
+ * Qwen3's per-head q/k RMSNorms (`q_norm`, `k_norm`: NULL where the model has none) run in
+ * place on the QKV rows before RoPE, through the same rms_norm kernel the modules call on
+ * each head's head_dim values (a row's result does not depend on its neighbours, so norming
+ * it where it lies is bit-identical to norming the modules' copy). A sliding-window layer
+ * (`window` keys, 0: the whole context) takes the attention kernel's window; soft-capped
+ * layers are not this block (their layers keep the modules).
+ *
  * `parts` says which halves run: ATTENTION (norm, QKV, RoPE, store, attention, O) and MLP
  * (norm, gate/up, SiLU * up, down). Under tensor parallelism the caller all-reduces the
  * hidden state between the halves (the O and down projections give partial sums).
@@ -43,7 +50,7 @@ typedef int (*attention_fn)(const void *q, int64_t q_stride, const void *k_cache
                             int64_t table_stride, const int32_t *context_lens, void *out,
                             int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, int64_t block_size, int64_t max_context,
-                            int dtype, float scale);
+                            int dtype, float scale, int64_t window, float soft_cap);
 typedef void (*silu_and_mul_fn)(const uint16_t *x, uint16_t *out, int64_t rows, int64_t width);
 
 typedef struct {
@@ -56,11 +63,13 @@ typedef struct {
 } Kernels;
 
 /* A layer's weights as packed at load (linears in linear_bf16.c's layout), this rank's
- * shard of the heads and of the intermediate size. qkv_bias is NULL where the model has none. */
+ * shard of the heads and of the intermediate size. qkv_bias, q_norm and k_norm ([head_dim])
+ * are NULL where the model has none; window 0: full attention. */
 typedef struct {
     const Kernels *kernels;
     const uint16_t *input_norm, *qkv, *qkv_bias, *o_proj, *post_norm, *gate_up, *down;
-    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    const uint16_t *q_norm, *k_norm;
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, window;
     float eps, scale;
 } Layer;
 
@@ -77,7 +86,31 @@ typedef struct {
     uint16_t *normed, *qkv, *attn, *gate_up, *act;
 } Step;
 
-/* Norm, QKV, RoPE, store, attention, O: `hidden` becomes the attention's output. */
+/* Heads per call of the norm kernel: under the row count at which it spreads its rows over
+ * the threads (64), so a call made from head_norms' threads never forks a nested team. */
+#define NORM_ROWS 32
+
+/* `heads` rows of head_dim at x, RMS-normed in place by `weight` (a row's result does not
+ * depend on how many rows one call takes). */
+static void norm_heads(const Layer *l, const uint16_t *weight, uint16_t *x, int64_t heads) {
+    for (int64_t h = 0; h < heads; h += NORM_ROWS) {
+        uint16_t *xh = x + h * l->head_dim;
+        int64_t rows = heads - h < NORM_ROWS ? heads - h : NORM_ROWS;
+        l->kernels->rms_norm(xh, NULL, weight, xh, NULL, rows, l->head_dim, l->eps, BF16);
+    }
+}
+
+/* Each token's q heads and k heads (`stride` apart from token to token) normed in place;
+ * tokens spread over the threads when there are as many rows as the kernel would spread. */
+static void head_norms(const Layer *l, uint16_t *q, uint16_t *k, int64_t stride, int64_t t) {
+#pragma omp parallel for if (t * (l->num_heads + l->num_kv_heads) >= 64) schedule(static)
+    for (int64_t i = 0; i < t; i++) {
+        norm_heads(l, l->q_norm, q + i * stride, l->num_heads);
+        norm_heads(l, l->k_norm, k + i * stride, l->num_kv_heads);
+    }
+}
+
+/* Norm, QKV, (q/k norms,) RoPE, store, attention, O: `hidden` becomes the attention's output. */
 static int attention_half(const Layer *l, const Step *s, char *k_cache, char *v_cache,
                           int first) {
     const Kernels *f = l->kernels;
@@ -94,6 +127,7 @@ static int attention_half(const Layer *l, const Step *s, char *k_cache, char *v_
     if (f->linear(s->normed, l->qkv, l->qkv_bias, s->qkv, t, qkv_size, l->hidden))
         return OUT_OF_MEMORY;
     uint16_t *q = s->qkv, *k = q + q_size, *v = k + kv_size;
+    if (l->q_norm) head_norms(l, q, k, qkv_size, t);
     f->rotary_embedding(q, qkv_size, k, qkv_size, s->positions, s->cos, s->sin, t, l->num_heads,
                         l->num_kv_heads, d, BF16);
     int64_t row_bytes = kv_size * (int64_t)sizeof(uint16_t);
@@ -102,7 +136,7 @@ static int attention_half(const Layer *l, const Step *s, char *k_cache, char *v_
         return SLOT_PAST_CACHE;
     if (f->attention(q, qkv_size, k_cache, v_cache, s->block_tables, s->table_stride,
                      s->context_lens, s->attn, t, l->num_heads, l->num_kv_heads, d,
-                     s->block_size, s->max_context, BF16, l->scale))
+                     s->block_size, s->max_context, BF16, l->scale, l->window, 0.0f))
         return OUT_OF_MEMORY;
     if (f->linear(s->attn, l->o_proj, NULL, s->hidden, t, l->hidden, q_size))
         return OUT_OF_MEMORY;

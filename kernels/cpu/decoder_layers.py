@@ -14,8 +14,9 @@ two calls (`ATTENTION`, `MLP`), the hidden state all-reduced after each (the O a
 projections give partial sums), as the modules do.
 
 Bound only where every layer fits (a `DecoderBlock` whose linears are bf16 in `linear_bf16.c`'s
-packed layout, none quantized, RoPE over the whole head); a step takes it only with plain bf16
-caches (an int8 cache keeps the module path). Elsewhere the modules serve, as on any backend.
+packed layout, none quantized, RoPE over the whole head; Qwen3's per-head q/k norms and sliding
+windows included); a step takes it only with plain bf16 caches (an int8 cache keeps the module
+path). Elsewhere the modules serve, as on any backend.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ _KERNELS = (
     ("linear", "linear_bf16", "linear_bf16"),
     ("rotary_embedding", "rotary_embedding", "rotary_embedding"),
     ("store_kv", "store_kv", "store_kv"),
-    ("attention", "paged_decode_attention", "paged_decode_attention"),
+    ("attention", "paged_decode_attention", "paged_decode_attention_variant"),
     ("silu_and_mul", "silu_and_mul", "silu_and_mul_bf16"),
 )
 
@@ -55,9 +56,9 @@ class _Layer(ctypes.Structure):
     _fields_ = [
         ("kernels", ctypes.POINTER(_Kernels)),
         *((name, _P) for name in ("input_norm", "qkv", "qkv_bias", "o_proj", "post_norm",
-                                  "gate_up", "down")),
+                                  "gate_up", "down", "q_norm", "k_norm")),
         *((name, _I64) for name in ("hidden", "num_heads", "num_kv_heads", "head_dim",
-                                    "intermediate")),
+                                    "intermediate", "window")),
         ("eps", _F), ("scale", _F),
     ]
 
@@ -112,8 +113,8 @@ class PreparedLayer:
 
 def bind(block: DecoderBlock) -> PreparedLayer | None:
     """The layer bound for `decoder_layer.c`, or None where it does not fit the C path (a
-    linear not bf16 in `linear_bf16.c`'s packed layout, RoPE not over the whole head, the
-    kernels not built)."""
+    linear not bf16 in `linear_bf16.c`'s packed layout, RoPE not over the whole head, q/k
+    norms not a bf16 [head_dim] pair, the kernels not built)."""
     kernels = _kernels()
     linears = (block.qkv, block.o_proj, block.gate_up, block.down)
     if kernels is None or not all(_blocked(k) for k in linears):
@@ -128,17 +129,16 @@ def bind(block: DecoderBlock) -> PreparedLayer | None:
         and _in_features(o_proj) == heads * dim
         and _in_features(down) == intermediate and _out_features(down) == hidden
     )
-    vectors = (block.input_norm, block.post_norm) + (
-        (block.qkv_bias,) if block.qkv_bias is not None else ())
+    vectors = _vectors(block)
     rope_fits = all(t.dtype == torch.float32 and t.is_contiguous() and t.shape[-1] == dim
                     for t in block.rope)
-    if not shapes_fit or not rope_fits or not all(_bf16_rows(v) for v in vectors):
+    if not shapes_fit or not rope_fits or vectors is None:
         return None
     struct = _Layer(
         ctypes.pointer(kernels), block.input_norm.data_ptr(), qkv.data_ptr(),
-        block.qkv_bias.data_ptr() if block.qkv_bias is not None else None, o_proj.data_ptr(),
-        block.post_norm.data_ptr(), gate_up.data_ptr(), down.data_ptr(),
-        hidden, heads, kv_heads, dim, intermediate, block.eps, dim**-0.5,
+        _address(block.qkv_bias), o_proj.data_ptr(), block.post_norm.data_ptr(),
+        gate_up.data_ptr(), down.data_ptr(), _address(block.q_norm), _address(block.k_norm),
+        hidden, heads, kv_heads, dim, intermediate, block.window or 0, block.eps, dim**-0.5,
     )
     return PreparedLayer(struct, (qkv, o_proj, gate_up, down) + vectors)
 
@@ -195,6 +195,21 @@ def decoder_layer_cpu(
         raise IndexError(f"decoder_layer: a slot is past the cache's {step.struct.num_slots}")
     if rc:
         raise MemoryError("decoder_layer: attention scratch allocation failed")
+
+
+def _vectors(block: DecoderBlock) -> tuple[torch.Tensor, ...] | None:
+    """The block's norm weights and bias (those it has), or None where one is not a bf16 row
+    of its size: the q/k norms come as a pair of [head_dim] or not at all."""
+    head_norms = tuple(n for n in (block.q_norm, block.k_norm) if n is not None)
+    if len(head_norms) == 1 or any(n.shape[0] != block.head_dim for n in head_norms):
+        return None
+    vectors = (block.input_norm, block.post_norm) + head_norms + (
+        (block.qkv_bias,) if block.qkv_bias is not None else ())
+    return vectors if all(_bf16_rows(v) for v in vectors) else None
+
+
+def _address(t: torch.Tensor | None) -> int | None:  # NULL for a part the model lacks
+    return t.data_ptr() if t is not None else None
 
 
 def _blocked(kernel: object) -> bool:  # packed_linear's blocked layout, bf16

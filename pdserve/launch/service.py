@@ -199,7 +199,8 @@ class Service:
                 redis_url=redis_url if role == "prefill" else None,
                 speculative_config=speculative if role == "decode" else None,
                 redis_namespace=s.redis_namespace, max_reservation_s=reservation_s,
-                tp_timeout_s=reservation_s + 30.0, **tls,
+                tp_timeout_s=reservation_s + 30.0,
+                enable_expert_parallel=s.enable_expert_parallel and role == "decode", **tls,
             )
 
         self._spec = spec  # the planner builds the workers it adds the same way

@@ -64,6 +64,9 @@ class ServeSettings:
     prefill_workers: int = _opt(1, "prefill workers")
     decode_workers: int = _opt(1, "decode worker groups")
     decode_tp: int = _opt(1, "tensor-parallel ranks per decode group")
+    enable_expert_parallel: bool = _opt(
+        False, "MoE models: each decode rank holds num_experts / decode_tp experts whole "
+        "(expert parallelism) instead of a slice of every expert")
     prefill_threads: int | None = _opt(None, "torch threads per prefill worker")
     decode_threads: int | None = _opt(None, "torch threads per decode rank")
     planner_policy: str | None = _opt(

@@ -15,12 +15,14 @@ def hf_greedy(model_dir: Path, prompts: tuple[tuple[int, ...], ...], max_new_tok
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.eval()
+    eos = model.config.eos_token_id
+    pad = eos[0] if isinstance(eos, (list, tuple)) else eos
     outputs = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-            do_sample=False, pad_token_id=model.config.eos_token_id,
+            do_sample=False, pad_token_id=pad,
         )
         outputs.append(out[0, len(prompt):].tolist())
     return tuple(tuple(o) for o in outputs)

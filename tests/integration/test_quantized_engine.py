@@ -1,5 +1,6 @@
 """Quantized weights served end to end on the tiny models: the engine computes what its
-quantized weights say, every TP size serves the same values, and the bytes shrink."""
+quantized weights say (MoE experts too), every TP size serves the same values, and the bytes
+shrink."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pdserve.engine.loader import _LINEAR_WEIGHT
-from pdserve.engine.models.parallel import ParallelLinear
+from pdserve.engine.models.parallel import FusedExperts, ParallelLinear
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kernels.cpu.quant_linear import Int4Linear
 from pdserve.kernels.quant_weights import dequantize, quantize
 from pdserve.llm import LLM
 from tests.integration.hf_reference import mixed_prompts
+from tests.tiny_models import write_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
 METHODS = [("int8", 0), ("int4", 32), ("int4", 64)]
@@ -38,7 +40,13 @@ def engine(path, **kw) -> LLM:
                num_threads=1, **kw)
 
 
-@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-moe"), "qwen3_moe", seed=4,
+                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_moe_dir"])
 @pytest.mark.parametrize("method,group_size", METHODS)
 def test_quantized_engine_serves_its_dequantized_weights(request, tmp_path, model, method,
                                                          group_size):
@@ -54,6 +62,11 @@ def test_quantized_engine_serves_its_dequantized_weights(request, tmp_path, mode
                                    torch.tensor([t.logprob for t in b.logprobs]),
                                    rtol=0, atol=1e-4)
     assert quantized.weight_bytes < reference.weight_bytes
+    for experts in quantized.engine.core.runner.model.modules():  # held quantized, not dense
+        if isinstance(experts, FusedExperts):
+            hidden = quantized.config.model.hidden_size
+            dense = 3 * experts.local_experts * experts.inter * hidden * 4  # fp32
+            assert sum(t.nbytes for t in experts.kernel.tensors) < dense / 2
 
 
 def test_bf16_int4_saves_the_linears_bytes(tiny_llama_dir):

@@ -47,13 +47,14 @@ def run_requests(core: EngineCore, prompts) -> list[list[int]]:
     return run_engine(core, prompts, params)
 
 
-def tp_rank_main(rank, size, port, model_dir, prompts, results, quantization=None):
+def tp_rank_main(rank, size, port, model_dir, prompts, results, quantization=None,
+                 expert_parallel=False):
     try:
         torch.set_num_threads(1)
         store = dist.TCPStore("127.0.0.1", port, None, rank == 0, wait_for_workers=False)
         timeout = datetime.timedelta(seconds=60)
         group = dist.ProcessGroupGloo(dist.PrefixStore("tp", store), rank, size, timeout)
-        tp = TensorParallel(rank, size, group)
+        tp = TensorParallel(rank, size, group, expert_parallel)
         core = EngineCore(make_config(model_dir, quantization), tp)
         if rank == 0:
             results.put(("ok", run_requests(core, prompts)))
@@ -77,17 +78,14 @@ def test_plan_codec_round_trip():
     assert decode_plan(json.loads(json.dumps(encode_plan(plan)))) == plan
 
 
-@pytest.mark.parametrize("tp_size", [2])
-@pytest.mark.parametrize("quantization", [None, "int8", "int4"])  # quantized whole, then cut
-def test_tp_group_matches_single_process(tiny_llama_dir, tp_size, quantization):
-    prompts = [list(p) for p in mixed_prompts(49152, seed=3)[:6]]
-    expected = run_requests(EngineCore(make_config(tiny_llama_dir, quantization)), prompts)
+def run_group(model_dir, prompts, tp_size=2, quantization=None, expert_parallel=False):
+    """The tokens rank 0 of a `tp_size` group of real processes returns."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=tp_rank_main,
-                    args=(r, tp_size, port, tiny_llama_dir, prompts, results, quantization))
+        ctx.Process(target=tp_rank_main, args=(r, tp_size, port, model_dir, prompts, results,
+                                               quantization, expert_parallel))
         for r in range(tp_size)
     ]
     for p in procs:
@@ -95,9 +93,16 @@ def test_tp_group_matches_single_process(tiny_llama_dir, tp_size, quantization):
     try:
         status, payload = results.get(timeout=180)
         assert status == "ok", payload
-        assert payload == expected
+        return payload
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.terminate()
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])  # quantized whole, then cut
+def test_tp_group_matches_single_process(tiny_llama_dir, quantization):
+    prompts = [list(p) for p in mixed_prompts(49152, seed=3)[:6]]
+    expected = run_requests(EngineCore(make_config(tiny_llama_dir, quantization)), prompts)
+    assert run_group(tiny_llama_dir, prompts, quantization=quantization) == expected

@@ -1,8 +1,9 @@
 """A bf16 decoder layer as one C call per step (kernels.cpu.decoder_layers, the CPU backend's
 `decoder_layers`) against the model's modules: the same kernels in the same order, so
 hidden states and K/V caches must be bit-identical, on mixed steps (decodes beside a prefill
-chunk after a cached prefix), with QKV bias (Qwen2), split in halves under tensor parallelism,
-and a bad slot must fail before any K/V is written."""
+chunk after a cached prefix), with QKV bias (Qwen2), per-head q/k norms (Qwen3), a sliding
+window (Mistral), split in halves under tensor parallelism, and a bad slot must fail before any
+K/V is written."""
 
 from __future__ import annotations
 
@@ -22,12 +23,30 @@ from pdserve.engine.models.parallel import TensorParallel
 from pdserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from pdserve.kernels.cpu import decoder_layers
 from pdserve.kernels.decoder_layers import DecoderLayers
+from tests.tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.skipif(not decoder_layers.available(),
                                 reason="no blocked bf16 linear here (neither AVX512-BF16 nor AVX2)")
 
 PROMPT_A = tuple(range(100, 137))  # 37 tokens: 3 blocks of 16
 PROMPT_B = tuple(range(300, 345))  # 45 tokens, computed in two chunks of 20 and 25
+WINDOW = 20  # shorter than both prompts, not a whole number of blocks: B's second chunk
+# (positions 20-44) starts seeing its first chunk's keys and ends seeing only its own
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_dir(tmp_path_factory):
+    """Qwen3: per-head q/k RMSNorms, head_dim 32 set apart from hidden / heads (q is 128 wide
+    over a hidden of 64); layer 0 full attention, layer 1 a WINDOW-token window."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3", seed=3, head_dim=32,
+                            use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_mistral_window_dir(tmp_path_factory):
+    """Mistral with every layer's window WINDOW tokens."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-mistral"), "mistral", seed=4,
+                            sliding_window=WINDOW)
 
 
 def make_runner(model_dir, tp: TensorParallel | None = None, threads: int = 2) -> ModelRunner:
@@ -88,9 +107,8 @@ def written(cache: torch.Tensor, runner: ModelRunner) -> torch.Tensor:
     return cache.flatten(0, 1)[slots]
 
 
-@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
-def test_one_call_per_layer_is_bit_identical_to_the_modules(model, request):
-    fused, fused_caches, modules, runner = run_both(request.getfixturevalue(model))
+def assert_identical(fused, fused_caches, modules, runner) -> None:
+    """Every step's hidden states and every written cache row, bit for bit."""
     for f, m in zip(fused, modules):
         assert f.dtype == torch.bfloat16 and not f.isnan().any()
         assert torch.equal(f, m)
@@ -98,6 +116,33 @@ def test_one_call_per_layer_is_bit_identical_to_the_modules(model, request):
         for f, m in zip(f_pair, m_pair):
             assert not written(m, runner).isnan().any()
             assert torch.equal(written(f, runner), written(m, runner))
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_one_call_per_layer_is_bit_identical_to_the_modules(model, request):
+    assert_identical(*run_both(request.getfixturevalue(model)))
+
+
+@pytest.mark.parametrize(("model", "head_norms", "windows"),
+                         [("tiny_qwen3_dir", True, (0, WINDOW)),
+                          ("tiny_mistral_window_dir", False, (WINDOW, WINDOW))],
+                         ids=["qwen3", "mistral-window"])
+def test_qk_norms_and_sliding_windows_run_fused_bit_identical(model, head_norms, windows,
+                                                              request, monkeypatch):
+    """Qwen3's layers (q/k norms; a full and a windowed one) and Mistral's (a window shorter
+    than the prompts, crossed by prefill chunks and a decode) bind with their variants and
+    run as one call per layer."""
+    calls = []
+    real = decoder_layers.decoder_layer_cpu
+    monkeypatch.setattr(decoder_layers, "decoder_layer_cpu",
+                        lambda *args, **kw: calls.append(1) or real(*args, **kw))
+    result = run_both(request.getfixturevalue(model))
+    fused = result[-1].model.layers.fused
+    assert len(calls) == len(STEPS) * len(fused)  # the modules' run is not counted
+    assert tuple(layer.struct.window for layer in fused) == windows
+    for layer in fused:
+        assert bool(layer.struct.q_norm) == bool(layer.struct.k_norm) == head_norms
+    assert_identical(*result)
 
 
 def test_halves_are_the_whole_layer(tiny_llama_dir):

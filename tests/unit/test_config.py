@@ -20,11 +20,10 @@ def write_config(tmp_path, **values):
     return tmp_path
 
 
-def test_sliding_window_caps_context_and_refuses_more(tmp_path):
+def test_a_sliding_window_no_longer_caps_the_context(tmp_path):
     path = write_config(tmp_path, sliding_window=4096)
-    assert load_model_config(path).max_model_len == 4096
-    with pytest.raises(ValueError, match="sliding_window"):
-        load_model_config(path, max_model_len=8192)
+    assert load_model_config(path).max_model_len == 32768
+    assert load_model_config(path, max_model_len=8192).max_model_len == 8192
 
 
 def test_explicit_head_dim_and_rope_parameters(tmp_path):
@@ -36,8 +35,31 @@ def test_explicit_head_dim_and_rope_parameters(tmp_path):
 
 def test_unsupported_architecture_is_named(tmp_path):
     path = write_config(tmp_path, model_type="llama", architectures=["GPTNeoXForCausalLM"])
-    with pytest.raises(ValueError, match="architectures"):
+    with pytest.raises(ValueError, match="architectures: 'GPTNeoXForCausalLM'.*Qwen3Moe"):
         load_model_config(path)
+
+
+def test_pdserve_models_lists_every_registered_architecture_and_known_name(capsys):
+    from pdserve.cli import main
+    from pdserve.engine.default_model import PACKAGED_MODELS
+    from pdserve.engine.models import MODELS, model_class
+
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    for arch in MODELS:
+        assert arch in out
+        assert model_class(arch).__name__ in ("LlamaForCausalLM", "GemmaForCausalLM")
+    assert all(known.aliases[0] in out for known in PACKAGED_MODELS)
+
+
+def test_layer_windows_follow_layer_types_or_one_window(tmp_path):
+    path = write_config(tmp_path, sliding_window=4096)
+    assert load_model_config(path).layer_windows == (4096, 4096)  # Mistral: every layer
+    qwen = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "sliding_window": 64,
+            "use_sliding_window": True, "max_window_layers": 1}
+    assert load_model_config(write_config(tmp_path, **qwen)).layer_windows == (None, 64)
+    qwen["use_sliding_window"] = False
+    assert load_model_config(write_config(tmp_path, **qwen)).layer_windows == (None, None)
 
 
 def test_dtype_and_kv_budget_are_checked(tmp_path):

@@ -56,6 +56,26 @@ def test_dynamic_within_original_window_is_default_and_beyond_is_refused():
         inv_freq_and_scaling(params, 64, 4096, 8192)
 
 
+@pytest.mark.parametrize("max_model_len", [4096, 8192])  # within the original context, past it
+def test_longrope_takes_the_factors_transformers_takes_for_the_context(max_model_len):
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    g = torch.Generator().manual_seed(0)
+    params = {"rope_type": "longrope", "rope_theta": 10000.0,
+              "short_factor": (1 + torch.rand(32, generator=g)).tolist(),
+              "long_factor": (1 + 8 * torch.rand(32, generator=g)).tolist(),
+              "original_max_position_embeddings": 4096}
+    config = Phi3Config(hidden_size=256, num_attention_heads=4, max_position_embeddings=131072,
+                        original_max_position_embeddings=4096, rope_parameters=dict(params),
+                        pad_token_id=0)
+    ours, our_scale = inv_freq_and_scaling(params, 64, 131072, max_model_len)
+    ref, ref_scale = ROPE_INIT_FUNCTIONS["longrope"](config, torch.device("cpu"),
+                                                      seq_len=max_model_len)
+    assert torch.equal(ours, ref.float())
+    assert our_scale == pytest.approx(ref_scale, rel=1e-12)
+
+
 def test_unknown_rope_type_is_refused_by_name():
     with pytest.raises(ValueError, match="rope_scaling.rope_type"):
-        inv_freq_and_scaling({"rope_type": "longrope", "rope_theta": 1.0}, 64, 4096, 4096)
+        inv_freq_and_scaling({"rope_type": "su-perb", "rope_theta": 1.0}, 64, 4096, 4096)
