@@ -254,7 +254,7 @@ def submit(service: DecodeService, rid: str, max_tokens: int) -> bool:
             metadata=AUTH, timeout=30).granted
 
 
-TP_TIMEOUT_S = 8.0
+TP_TIMEOUT_S = 6.0  # > MAX_RESERVATION_S, as WorkerSpec requires
 STALL_TIMEOUT_S = 2.0
 
 
