@@ -101,7 +101,7 @@ def run_group(model_dir, prompts, tp_size=2, quantization=None, expert_parallel=
                 p.terminate()
 
 
-@pytest.mark.parametrize("quantization", [None, "int4"])  # quantized whole (groups), then cut
+@pytest.mark.parametrize("quantization", ["int4"])  # quantized whole (groups), then cut
 def test_tp_group_matches_single_process(tiny_llama_dir, quantization):
     prompts = [list(p) for p in mixed_prompts(49152, seed=3)[:6]]
     expected = run_requests(EngineCore(make_config(tiny_llama_dir, quantization)), prompts)
