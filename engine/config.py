@@ -74,6 +74,12 @@ class ModelConfig:
                 f"(the model's max_position_embeddings), got {self.max_model_len}"
             )
 
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window; None where it cuts nothing (full attention, or a
+        window no shorter than max_model_len: no context is long enough to leave it)."""
+        window = self.layer_windows[layer] if self.layer_windows else None
+        return window if window is not None and window < self.max_model_len else None
+
     def kv_bytes_per_token(self, cache_dtype: str = "auto") -> int:
         """K and V of every layer for one token; int8 adds one fp16 scale per token and head
         (the format of kernels.kv_quant)."""

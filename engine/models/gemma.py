@@ -35,13 +35,10 @@ class GemmaDecoderLayer(torch.nn.Module):
                  rope: tuple[torch.Tensor, torch.Tensor], index: int, **kw):
         super().__init__()
         hf, eps, hidden = cfg.hf_config, cfg.rms_norm_eps, cfg.hidden_size
-        window = cfg.layer_windows[index]
-        if window is not None and window >= cfg.max_model_len:
-            window = None  # no context is long enough to leave it
         qk_norm = cfg.architecture == "Gemma3ForCausalLM"
         self.input_layernorm = GemmaRMSNorm(hidden, eps, ops, **kw)
         self.self_attn = LlamaAttention(
-            cfg, tp, ops, rope, window,
+            cfg, tp, ops, rope, cfg.window(index),
             norm=(lambda: GemmaRMSNorm(cfg.head_dim, eps, ops, **kw)) if qk_norm else None,
             scale=hf.query_pre_attn_scalar**-0.5,
             soft_cap=getattr(hf, "attn_logit_softcapping", None), **kw)

@@ -116,10 +116,7 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, ops, **kw)
         norm = (lambda: RMSNorm(cfg.head_dim, eps, ops, **kw)) if cfg.architecture in QK_NORM \
             else None
-        window = cfg.layer_windows[index] if cfg.layer_windows else None
-        if window is not None and window >= cfg.max_model_len:
-            window = None  # no context is long enough to leave it
-        self.self_attn = LlamaAttention(cfg, tp, ops, rope, window, norm, **kw)
+        self.self_attn = LlamaAttention(cfg, tp, ops, rope, cfg.window(index), norm, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, ops, **kw)
         moe = is_moe_layer(cfg, index)
         self.mlp = SparseMoe(cfg, tp, ops, **kw) if moe else LlamaMLP(cfg, tp, ops, **kw)
