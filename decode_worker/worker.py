@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from pdserve.decode_worker.outputs import DecodeOutput
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.input_processor import prepare_params
 from pdserve.engine.loop import EngineLoop, LoopClosedError
 from pdserve.engine.models.parallel import TensorParallel
 from pdserve.engine.plan_broadcast import IdleBeat
@@ -93,6 +94,7 @@ class DecodeWorker:
         The deadline is capped at now + max_reservation_s. `num_output_tokens`: the prompt's
         tail a migrated request generated elsewhere (seeded sampling continues after it)."""
         prompt = self._checked_prompt(request_id, prompt_token_ids)
+        params = prepare_params(params, None, self.config.model.vocab_size)
         num_output_tokens = check_num_prior_output_tokens(num_output_tokens, len(prompt))
         if not sources:
             raise ValueError("sources must name the prefill worker's ranks")
@@ -122,6 +124,7 @@ class DecodeWorker:
         """Prefill and decode here (prefix cache first); False, holding nothing, when full.
         `num_output_tokens` as for `reserve`."""
         prompt = self._checked_prompt(request_id, prompt_token_ids)
+        params = prepare_params(params, None, self.config.model.vocab_size)
         num_output_tokens = check_num_prior_output_tokens(num_output_tokens, len(prompt))
         request = Request(request_id, prompt, params, self.config.model.eos_token_ids,
                           num_prior_output_tokens=num_output_tokens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
@@ -15,6 +16,8 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import EngineCoreOutput, RunnerOutput, SchedulerOutput
 from pdserve.engine.spec.make import make_speculator, sized
+from pdserve.engine.structured_output import GrammarCompiler, GrammarState
+from pdserve.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +31,10 @@ class EngineCore:
 
     def __init__(
         self, config: EngineConfig, tp: TensorParallel | None = None,
-        connector: KVConnector | None = None,
+        connector: KVConnector | None = None, tokenizer: Any | None = None,
     ) -> None:
+        """`tokenizer`: the one structured outputs compile against (default: the one beside
+        the weights, loaded by the first request that has a grammar)."""
         self.tp = tp or TensorParallel()
         self.config = sized(config)
         cache = self.config.cache
@@ -42,14 +47,31 @@ class EngineCore:
         )
         self.runner = ModelRunner(self.config, self.tp, connector)
         self.speculator = make_speculator(self.config, self.kv_cache)
+        self._tokenizer = tokenizer
+        self._grammars: GrammarCompiler | None = None
 
     def add_request(self, request: Request) -> None:
+        self._attach_grammar(request)
         self.scheduler.add_request(request)
 
     def reserve_remote(self, request: Request) -> object | None:
         """Hold blocks for a prompt whose KV the connector brings in; its descriptor, or None
         (nothing held) when the engine cannot take it now."""
+        self._attach_grammar(request)
         return self.scheduler.reserve_remote(request)
+
+    def _attach_grammar(self, request: Request) -> None:
+        """Start compiling the request's structured output (cached per schema, on the
+        compiler's thread: the scheduler holds the request until it is ready)."""
+        spec = request.sampling_params.structured_outputs
+        if spec is None:
+            return
+        if self._grammars is None:
+            model = self.config.model
+            tokenizer = self._tokenizer or load_tokenizer(model.path)
+            self._grammars = GrammarCompiler(tokenizer, model.vocab_size, model.eos_token_ids)
+        request.grammar = GrammarState(self._grammars.submit(spec),
+                                       replay=request.generated_token_ids)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> bool:
         """Abort or stop a request now, freeing its blocks; False if it is not in flight."""
@@ -78,6 +100,8 @@ class EngineCore:
             publish(self.tp, "stop")
         if self.connector is not None:
             self.connector.close()
+        if self._grammars is not None:
+            self._grammars.close()
 
     def _execute(self, plan: SchedulerOutput) -> RunnerOutput:
         # An empty plan (only reserved requests, waiting for KV) is not worth a broadcast.

@@ -14,7 +14,12 @@ from typing import Any
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
 from pdserve.engine.engine_core import EngineCore
-from pdserve.engine.input_processor import Prompt, check_prompt_length, tokenize_prompt
+from pdserve.engine.input_processor import (
+    Prompt,
+    check_prompt_length,
+    prepare_params,
+    tokenize_prompt,
+)
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.prompt_logprobs import output_prompt_logprobs
 from pdserve.engine.request import Request, RequestStatus
@@ -37,7 +42,7 @@ class PreparedRequest:
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Any | None) -> None:
         """`tokenizer` None: token-id prompts only; outputs carry ids and empty text."""
-        self.core = EngineCore(config)
+        self.core = EngineCore(config, tokenizer=tokenizer)
         self.config = self.core.config
         self.tokenizer = tokenizer
         self._outputs: dict[str, RequestOutput] = {}
@@ -58,9 +63,7 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer, and none was loaded "
                              "(skip_tokenizer_init=True): use stop_token_ids")
-        for token_id in params.stop_token_ids:
-            if token_id >= model.vocab_size:
-                raise ValueError(f"stop_token_ids: {token_id} is outside the vocabulary")
+        params = prepare_params(params, self.tokenizer, model.vocab_size)
         text = prompt if isinstance(prompt, str) else None
         return PreparedRequest(request_id, text, tuple(ids), params)
 

@@ -18,6 +18,7 @@ import torch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.loader import load_weights
+from pdserve.engine.logits_processors import LogitsRow, apply_logits_processors
 from pdserve.engine.models import model_class
 from pdserve.engine.models.parallel import TensorParallel, prepare_weights, weight_bytes
 from pdserve.engine.prompt_logprobs import compute_prompt_logprobs
@@ -35,6 +36,7 @@ from pdserve.engine.scheduler_output import (
     TokenLogprobs,
 )
 from pdserve.engine.spec.verify import Group, verify
+from pdserve.engine.structured_output import allocate_bitmask, apply_bitmask
 from pdserve.kernels.attention_metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from pdserve.kernels.backend import get_backend
 from pdserve.kernels.kv_quant import allocate_kv_cache
@@ -122,18 +124,55 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_rows])  # [num_sampling, vocab]
         if self.tp.rank != 0:  # followers took part in the gather; rank 0 samples
             return RunnerOutput({}, {})
+        processed = self._process_logits(sampling, logits)
         if any(e.num_spec_tokens for e in sampling):
-            return self._verify(sampling, logits)
+            return self._verify(sampling, processed, logits)
         batch = SamplingBatch.from_params(
             [e.sampling_params for e in sampling],
             [self._generator(e) for e in sampling],
             self.config.model.vocab_size,
             self.device,
         )
-        out = self.sampler(logits, batch)
+        out = self.sampler(processed, batch, raw=logits)
         return _runner_output(sampling, [[t] for t in out.token_ids.tolist()], out)
 
-    def _verify(self, sampling: list[ScheduledRequest], logits: torch.Tensor) -> RunnerOutput:
+    def _process_logits(
+        self, sampling: list[ScheduledRequest], logits: torch.Tensor
+    ) -> torch.Tensor:
+        """The logits to draw from: each request's grammar mask, then its logits processors
+        (a copy; `logits` stays raw for logprobs). A request's rows are its position before
+        the drafts and one per draft, each seeing the drafts ahead of it as generated."""
+        if all(e.request is None for e in sampling):
+            return logits
+        x = logits.float().clone()
+        rows: list[LogitsRow | None] = []
+        grammar_rows: list[int] = []
+        bitmask = None
+        for e in sampling:
+            request, first = e.request, len(rows)
+            if request is None:
+                rows += [None] * (e.num_spec_tokens + 1)
+                continue
+            drafts = e.token_ids[e.num_tokens - e.num_spec_tokens:]
+            tokens = request.all_token_ids
+            stops = (*(() if e.sampling_params.ignore_eos else request.eos_token_ids),
+                     *e.sampling_params.stop_token_ids)
+            rows += [LogitsRow(e.sampling_params, tokens + list(drafts[:j]),
+                               request.num_prior_output_tokens + len(request.output_token_ids)
+                               + j, len(request.output_token_ids) + j, stops)
+                     for j in range(len(drafts) + 1)]
+            if request.grammar is not None:
+                if bitmask is None:
+                    bitmask = allocate_bitmask(len(logits), x.shape[1], x.device)
+                request.grammar.fill_draft_bitmasks(bitmask, first, drafts)
+                grammar_rows += range(first, len(rows))
+        if bitmask is not None:
+            apply_bitmask(x, bitmask[grammar_rows], grammar_rows)
+        apply_logits_processors(x, rows)
+        return x
+
+    def _verify(self, sampling: list[ScheduledRequest], logits: torch.Tensor,
+                raw: torch.Tensor) -> RunnerOutput:
         """A step with drafts: each request's logits rows (one per draft and one before)
         decide how many of its drafts hold (engine.spec.verify)."""
         params, groups = [], []
@@ -146,7 +185,7 @@ class ModelRunner:
         batch = SamplingBatch.from_params(
             params, [None] * len(params), self.config.model.vocab_size, self.device
         )
-        emitted, out = verify(self.sampler, logits, batch, groups)
+        emitted, out = verify(self.sampler, logits, batch, groups, raw)
         return _runner_output(sampling, emitted, out)
 
     def _generator(self, entry: ScheduledRequest) -> torch.Generator | None:

@@ -42,7 +42,7 @@ def encode_plan(plan: SchedulerOutput) -> dict[str, Any]:
             "tokens": list(e.token_ids),
             "start": e.num_computed_tokens,
             "blocks": list(e.block_ids),
-            "params": dataclasses.asdict(e.sampling_params) if e.sampling_params else None,
+            "params": _follower_params(e.sampling_params),
             "outputs": e.num_output_tokens,
             "spec": e.num_spec_tokens,
             "prompt_logprobs": dataclasses.asdict(e.prompt_logprobs) if e.prompt_logprobs else None,
@@ -50,6 +50,16 @@ def encode_plan(plan: SchedulerOutput) -> dict[str, Any]:
         for e in plan.requests
     ]
     return {"requests": requests, "finished": list(plan.finished_request_ids)}
+
+
+def _follower_params(params: SamplingParams | None) -> dict[str, Any] | None:
+    """The params as followers need them: rank 0 alone samples, so not the logits
+    processing's (a schema or a bias table would cross the group every step)."""
+    if params is None:
+        return None
+    light = dataclasses.replace(params, logit_bias=(), bad_words_token_ids=(),
+                                structured_outputs=None)
+    return dataclasses.asdict(light)
 
 
 def decode_plan(body: dict[str, Any]) -> SchedulerOutput:

@@ -5,9 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_output import PromptLogprobsTask, TokenLogprobs
+
+if TYPE_CHECKING:
+    from pdserve.engine.structured_output import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -62,6 +66,10 @@ class Request:
     # Asked for (sampling_params.prompt_logprobs): those of prompt positions 1, 2, ... so far.
     # Kept across preemption, so a recomputed prompt adds none twice.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Its structured output's matcher (sampling_params.structured_outputs), set by the engine
+    # that admits it, having replayed the tokens generated elsewhere; advanced by each token
+    # appended here.
+    grammar: GrammarState | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -81,6 +89,11 @@ class Request:
         head = list(self.prompt_token_ids[start:end]) if start < num_prompt else []
         tail = self.output_token_ids[max(start - num_prompt, 0) : max(end - num_prompt, 0)]
         return head + tail
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """Every token this request generated, here and on the worker it came from."""
+        return self.all_token_ids[self.num_prompt_tokens - self.num_prior_output_tokens:]
 
     @property
     def num_sampled_tokens(self) -> int:
@@ -130,6 +143,8 @@ class Request:
         stop token, max_tokens, the context window): how many were appended, and the end."""
         for num, token_id in enumerate(token_ids, 1):
             self.output_token_ids.append(token_id)
+            if self.grammar is not None:
+                self.grammar.accept((token_id,))
             status = self.stop_status(token_id, max_model_len)
             if status is not None:
                 return num, status
@@ -138,6 +153,9 @@ class Request:
     def stop_status(self, token_id: int, max_model_len: int) -> RequestStatus | None:
         """Whether appending `token_id` (already appended) ends the request, and how."""
         params = self.sampling_params
+        if self.grammar is not None and self.grammar.terminated:  # only a stop token could end it
+            self.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
         if not params.ignore_eos and token_id in self.eos_token_ids:
             self.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED

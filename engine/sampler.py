@@ -123,8 +123,10 @@ class Sampler:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        # logits: [B, V]
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch,
+                 raw: torch.Tensor | None = None) -> SamplerOutput:
+        """`logits` [B, V] to draw from; logprobs come from `raw` (the model's logits before
+        any logits processing) when given, else from `logits`."""
         if logits.dim() != 2 or tuple(logits.shape) != (batch.batch_size, batch.vocab_size):
             raise ValueError(
                 f"logits must be [batch_size={batch.batch_size}, vocab_size={batch.vocab_size}]"
@@ -134,7 +136,8 @@ class Sampler:
             raise ValueError(f"logits on {logits.device}, batch on {batch.temperature.device}")
         logits = logits.float()
         token_ids = self.sample_tokens(logits, batch)
-        return with_logprobs(logits, token_ids, batch.max_num_logprobs)
+        return with_logprobs(logits if raw is None else raw.float(), token_ids,
+                             batch.max_num_logprobs)
 
     def sample_tokens(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """[B, V] fp32 logits -> [B] token ids."""

@@ -162,10 +162,14 @@ class Scheduler:
                 scheduled.append((request, num_new))
                 budget -= num_new
                 i += 1
+        compiling: list[Request] = []  # their grammars are not ready: they keep their place
         while self.waiting and budget > 0 and not preempted:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
+            if request.grammar is not None and not request.grammar.ready:
+                compiling.append(self.waiting.popleft())
+                continue
             hits = self.kv_cache.find_cached_prefix(request)
             num_hit = len(hits) * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_hit, budget)
@@ -180,6 +184,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
         self._inflight = self._plan(scheduled)
         return self._inflight
 
@@ -288,6 +293,8 @@ class Scheduler:
                     kv_transfer=request.kv_transfer if completes_prompt else None,
                     num_spec_tokens=num_spec,
                     prompt_logprobs=request.prompt_logprobs_task(start, num_new - num_spec),
+                    request=request if samples and request.sampling_params.processes_logits
+                    else None,
                 )
             )
         entries.sort(key=lambda e: e.num_tokens != 1)  # decode-shaped first, order kept

@@ -7,8 +7,12 @@ message can be broadcast from the scheduling rank to every tensor-parallel rank.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.request import Request
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,9 @@ class ScheduledRequest:
     # Not part of the TP broadcast: followers never push.
     kv_transfer: object | None = field(default=None, compare=False)
     prompt_logprobs: PromptLogprobsTask | None = None  # positions this chunk computes
+    # The request itself, on an entry that samples with logits processing (penalties, a
+    # grammar, ...): rank 0 reads its tokens and grammar. Not part of the TP broadcast.
+    request: Request | None = field(default=None, compare=False)
 
     @property
     def num_tokens(self) -> int:

@@ -1,7 +1,8 @@
 """pdserve: disaggregated prefill/decode LLM serving.
 
-Offline: `LLM`, `SamplingParams`. Online (gRPC): `Client`, `AsyncClient`. Attributes load on
-first use, so the router and the client never import torch.
+Offline: `LLM`, `SamplingParams` (`StructuredOutputsParams` for a grammar). Online
+(gRPC): `Client`, `AsyncClient`. Attributes load on first use, so the router and the
+client never import torch.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ _EXPORTS = {
     "RequestOutput": "pdserve.engine.outputs",
     "Logprob": "pdserve.engine.outputs",
     "SamplingParams": "pdserve.engine.sampling_params",
+    "StructuredOutputsParams": "pdserve.engine.structured_outputs_params",
     "Client": "pdserve.client",
     "AsyncClient": "pdserve.client",
 }

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from pdserve.engine.input_processor import check_prompt_length, tokenize_prompt
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_output import TokenLogprobs
+from pdserve.engine.structured_outputs_params import StructuredOutputsParams
 from pdserve.proto import pdserve_pb2
 
 MAX_REQUEST_ID_CHARS = 256  # a transfer descriptor's limit (kvtransfer.descriptor)
@@ -59,20 +61,38 @@ def check_logprobs(lp: TokenLogprobs, vocab_size: int) -> TokenLogprobs:
 def sampling_from_proto(msg: pdserve_pb2.SamplingParams, default_max_tokens: int) -> SamplingParams:
     """The request's SamplingParams; unset fields take the defaults. ValueError names a field."""
     defaults = SamplingParams()
+
+    def get(name: str) -> Any:
+        return getattr(msg, name) if msg.HasField(name) else getattr(defaults, name)
+
     return SamplingParams(
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else default_max_tokens,
-        temperature=msg.temperature if msg.HasField("temperature") else defaults.temperature,
-        top_p=msg.top_p if msg.HasField("top_p") else defaults.top_p,
-        top_k=msg.top_k if msg.HasField("top_k") else defaults.top_k,
-        min_p=msg.min_p if msg.HasField("min_p") else defaults.min_p,
-        seed=msg.seed if msg.HasField("seed") else None,
+        **{name: get(name) for name in _OPTIONAL},
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
-        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
-        skip_special_tokens=(msg.skip_special_tokens if msg.HasField("skip_special_tokens")
-                             else defaults.skip_special_tokens),
+        logit_bias=dict(msg.logit_bias),
+        bad_words=tuple(msg.bad_words),
+        bad_words_token_ids=tuple(tuple(w.ids) for w in msg.bad_words_token_ids),
+        structured_outputs=_structured_from_proto(msg),
     )
+
+
+# Optional scalars: unset takes SamplingParams' default.
+_OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "skip_special_tokens",
+             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
+
+
+def _structured_from_proto(msg: pdserve_pb2.SamplingParams) -> StructuredOutputsParams | None:
+    if not msg.HasField("structured_outputs"):
+        return None
+    spec = msg.structured_outputs
+    kind = spec.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured_outputs: set one of json, regex, choice, grammar, "
+                         "json_object")
+    value = getattr(spec, kind)
+    return StructuredOutputsParams(**{kind: tuple(value.choices) if kind == "choice" else value})
 
 
 def sampling_to_proto(params: SamplingParams) -> pdserve_pb2.SamplingParams:
@@ -80,15 +100,21 @@ def sampling_to_proto(params: SamplingParams) -> pdserve_pb2.SamplingParams:
         raise ValueError("prompt_logprobs: not supported over gRPC (the served API returns no "
                          "prompt logprobs); use the offline LLM for them")
     msg = pdserve_pb2.SamplingParams(
-        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-        top_k=params.top_k, min_p=params.min_p, stop=list(params.stop),
+        max_tokens=params.max_tokens, stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-        skip_special_tokens=params.skip_special_tokens,
+        logit_bias=dict(params.logit_bias), bad_words=list(params.bad_words),
+        bad_words_token_ids=[pdserve_pb2.TokenIds(ids=w) for w in params.bad_words_token_ids],
     )
-    if params.seed is not None:
-        msg.seed = params.seed
-    if params.logprobs is not None:
-        msg.logprobs = params.logprobs
+    for name in _OPTIONAL:
+        if (value := getattr(params, name)) is not None:
+            setattr(msg, name, value)
+    spec = params.structured_outputs
+    if spec is not None:
+        value = getattr(spec, spec.kind)
+        if spec.kind == "choice":
+            msg.structured_outputs.choice.choices.extend(value)
+        else:
+            setattr(msg.structured_outputs, spec.kind, value)
     return msg
 
 

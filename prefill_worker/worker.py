@@ -25,6 +25,7 @@ from concurrent.futures import Future
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.input_processor import prepare_params
 from pdserve.engine.loop import EngineLoop, LoopClosedError
 from pdserve.engine.request import Request, RequestStatus, check_num_prior_output_tokens
 from pdserve.engine.sampling_params import SamplingParams
@@ -103,6 +104,7 @@ class PrefillWorker:
         check_request_id(request_id)
         model = self.config.model
         prompt = check_prompt(prompt_token_ids, model.vocab_size, model.max_model_len)
+        params = prepare_params(params, None, model.vocab_size)
         num_output_tokens = check_num_prior_output_tokens(num_output_tokens, len(prompt))
         if descriptor.request_id != request_id:
             raise ValueError(f"descriptor is for request {descriptor.request_id!r}, "
@@ -117,7 +119,8 @@ class PrefillWorker:
             raise ValueError(
                 f"descriptor reserves {descriptor.num_blocks} blocks, the prompt needs {num_blocks}"
             )
-        first_token_only = dataclasses.replace(params, max_tokens=1, stop=())
+        first_token_only = dataclasses.replace(params, max_tokens=1, stop=(),
+                                               min_tokens=min(params.min_tokens, 1))
         request = Request(request_id, prompt, first_token_only,
                           self.config.model.eos_token_ids, kv_transfer=descriptor,
                           num_prior_output_tokens=num_output_tokens)

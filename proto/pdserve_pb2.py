@@ -24,43 +24,59 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/proto/pdserve.proto\x12\npdserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf0\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0b \x01(\x08H\x07\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"\xdb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12)\n\x08messages\x18\x04 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\tB\t\n\x07_prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"9\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\"\xe7\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x08 \x01(\x0b\x32\x13.pdserve.v1.Timings\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xc6\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x12\x14\n\x0cquantization\x18\x08 \x01(\t\x12\x14\n\x0cweight_bytes\x18\t \x01(\x03\"\x11\n\x0fGetStatsRequest\"\xd4\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\n\n\x02up\x18\x04 \x01(\x08\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\x05\x12\x17\n\x0fnum_used_blocks\x18\x07 \x01(\x05\x12\x13\n\x0bnum_running\x18\x08 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\t \x01(\x05\x12\x19\n\x11num_cached_blocks\x18\n \x01(\x05\x12\x0f\n\x07tp_size\x18\x0b \x01(\x05\x12\x1e\n\x16num_spec_verifications\x18\x0c \x01(\x03\x12\x18\n\x10num_draft_tokens\x18\r \x01(\x03\x12\x1b\n\x13num_accepted_tokens\x18\x0e \x01(\x03\x12\x14\n\x0cweight_bytes\x18\x0f \x01(\x03\"m\n\x05Stats\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.WorkerStats\x12\x12\n\nnum_queued\x18\x02 \x01(\x05\x12\x14\n\x0cnum_inflight\x18\x03 \x01(\x05\x12\x10\n\x08redis_up\x18\x04 \x01(\x08\x32\x96\x02\n\tInference\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12:\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x11.pdserve.v1.Statsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/proto/pdserve.proto\x12\npdserve.v1\"z\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\\\n\nToolChoice\x12\x0e\n\x04none\x18\x01 \x01(\x08H\x00\x12\x0e\n\x04\x61uto\x18\x02 \x01(\x08H\x00\x12\x12\n\x08required\x18\x03 \x01(\x08H\x00\x12\x12\n\x08\x66unction\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xac\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0b \x01(\x08H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x01H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x01H\n\x88\x01\x01\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x10 \x01(\x05H\x0b\x88\x01\x01\x12\x11\n\tbad_words\x18\x11 \x03(\t\x12\x39\n\x12structured_outputs\x18\x12 \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputs\x12\x31\n\x13\x62\x61\x64_words_token_ids\x18\x13 \x03(\x0b\x32\x14.pdserve.v1.TokenIds\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x8d\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x06\n\x04kind\"\xe3\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12)\n\x08messages\x18\x04 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\t\x12\x1f\n\x05tools\x18\x08 \x03(\x0b\x32\x10.pdserve.v1.Tool\x12+\n\x0btool_choice\x18\t \x01(\x0b\x32\x16.pdserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\n \x01(\x08H\x01\x88\x01\x01\x42\t\n\x07_promptB\x16\n\x14_parallel_tool_calls\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"9\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\"\xa2\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x08 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12(\n\ntool_calls\x18\t \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x0f\n\x07\x63ontent\x18\n \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xc6\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x12\x14\n\x0cquantization\x18\x08 \x01(\t\x12\x14\n\x0cweight_bytes\x18\t \x01(\x03\"\x11\n\x0fGetStatsRequest\"\xd4\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\n\n\x02up\x18\x04 \x01(\x08\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\x05\x12\x17\n\x0fnum_used_blocks\x18\x07 \x01(\x05\x12\x13\n\x0bnum_running\x18\x08 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\t \x01(\x05\x12\x19\n\x11num_cached_blocks\x18\n \x01(\x05\x12\x0f\n\x07tp_size\x18\x0b \x01(\x05\x12\x1e\n\x16num_spec_verifications\x18\x0c \x01(\x03\x12\x18\n\x10num_draft_tokens\x18\r \x01(\x03\x12\x1b\n\x13num_accepted_tokens\x18\x0e \x01(\x03\x12\x14\n\x0cweight_bytes\x18\x0f \x01(\x03\"m\n\x05Stats\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.WorkerStats\x12\x12\n\nnum_queued\x18\x02 \x01(\x05\x12\x14\n\x0cnum_inflight\x18\x03 \x01(\x05\x12\x10\n\x08redis_up\x18\x04 \x01(\x08\x32\x96\x02\n\tInference\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12:\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x11.pdserve.v1.Statsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.proto.pdserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=43
-  _globals['_CHATMESSAGE']._serialized_end=87
-  _globals['_SAMPLINGPARAMS']._serialized_start=90
-  _globals['_SAMPLINGPARAMS']._serialized_end=458
-  _globals['_GENERATEREQUEST']._serialized_start=461
-  _globals['_GENERATEREQUEST']._serialized_end=680
-  _globals['_TOPLOGPROB']._serialized_start=682
-  _globals['_TOPLOGPROB']._serialized_end=729
-  _globals['_TOKENLOGPROB']._serialized_start=731
-  _globals['_TOKENLOGPROB']._serialized_end=817
-  _globals['_USAGE']._serialized_start=819
-  _globals['_USAGE']._serialized_end=899
-  _globals['_TIMINGS']._serialized_start=901
-  _globals['_TIMINGS']._serialized_end=958
-  _globals['_GENERATERESPONSE']._serialized_start=961
-  _globals['_GENERATERESPONSE']._serialized_end=1192
-  _globals['_ABORTREQUEST']._serialized_start=1194
-  _globals['_ABORTREQUEST']._serialized_end=1228
-  _globals['_ABORTRESPONSE']._serialized_start=1230
-  _globals['_ABORTRESPONSE']._serialized_end=1260
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1262
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1283
-  _globals['_MODELINFO']._serialized_start=1286
-  _globals['_MODELINFO']._serialized_end=1484
-  _globals['_GETSTATSREQUEST']._serialized_start=1486
-  _globals['_GETSTATSREQUEST']._serialized_end=1503
-  _globals['_WORKERSTATS']._serialized_start=1506
-  _globals['_WORKERSTATS']._serialized_end=1846
-  _globals['_STATS']._serialized_start=1848
-  _globals['_STATS']._serialized_end=1957
-  _globals['_INFERENCE']._serialized_start=1960
-  _globals['_INFERENCE']._serialized_end=2238
+  _globals['_CHATMESSAGE']._serialized_end=165
+  _globals['_TOOL']._serialized_start=167
+  _globals['_TOOL']._serialized_end=228
+  _globals['_TOOLCHOICE']._serialized_start=230
+  _globals['_TOOLCHOICE']._serialized_end=322
+  _globals['_TOOLCALL']._serialized_start=324
+  _globals['_TOOLCALL']._serialized_end=379
+  _globals['_SAMPLINGPARAMS']._serialized_start=382
+  _globals['_SAMPLINGPARAMS']._serialized_end=1194
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=958
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1006
+  _globals['_TOKENIDS']._serialized_start=1196
+  _globals['_TOKENIDS']._serialized_end=1219
+  _globals['_CHOICES']._serialized_start=1221
+  _globals['_CHOICES']._serialized_end=1247
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1250
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1391
+  _globals['_GENERATEREQUEST']._serialized_start=1394
+  _globals['_GENERATEREQUEST']._serialized_end=1749
+  _globals['_TOPLOGPROB']._serialized_start=1751
+  _globals['_TOPLOGPROB']._serialized_end=1798
+  _globals['_TOKENLOGPROB']._serialized_start=1800
+  _globals['_TOKENLOGPROB']._serialized_end=1886
+  _globals['_USAGE']._serialized_start=1888
+  _globals['_USAGE']._serialized_end=1968
+  _globals['_TIMINGS']._serialized_start=1970
+  _globals['_TIMINGS']._serialized_end=2027
+  _globals['_GENERATERESPONSE']._serialized_start=2030
+  _globals['_GENERATERESPONSE']._serialized_end=2320
+  _globals['_ABORTREQUEST']._serialized_start=2322
+  _globals['_ABORTREQUEST']._serialized_end=2356
+  _globals['_ABORTRESPONSE']._serialized_start=2358
+  _globals['_ABORTRESPONSE']._serialized_end=2388
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2390
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2411
+  _globals['_MODELINFO']._serialized_start=2414
+  _globals['_MODELINFO']._serialized_end=2612
+  _globals['_GETSTATSREQUEST']._serialized_start=2614
+  _globals['_GETSTATSREQUEST']._serialized_end=2631
+  _globals['_WORKERSTATS']._serialized_start=2634
+  _globals['_WORKERSTATS']._serialized_end=2974
+  _globals['_STATS']._serialized_start=2976
+  _globals['_STATS']._serialized_end=3085
+  _globals['_INFERENCE']._serialized_start=3088
+  _globals['_INFERENCE']._serialized_end=3366
 # @@protoc_insertion_point(module_scope)

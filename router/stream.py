@@ -20,6 +20,7 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.proto import pdserve_pb2, worker_pb2
 from pdserve.router.flight import Flight, Placement
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.tools import finish_reason, read_reply
 from pdserve.router.validation import ValidRequest
 from pdserve.router.workers import Lost, WorkerLost
 
@@ -36,6 +37,7 @@ class ResponseStream:
         self.detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids, req.params.stop,
                                             req.params.skip_special_tokens)
         self.token_ids: list[int] = []
+        self.text = ""  # read for tool calls at the end, when the request has tools
         self.first_at: float | None = None
         self.last_at = received
         self.num_migrations = 0  # placements after the first
@@ -52,7 +54,7 @@ class ResponseStream:
     def aborted(self) -> pdserve_pb2.GenerateResponse:
         """The last message of a request aborted between two placements."""
         message = pdserve_pb2.GenerateResponse(request_id=self.req.request_id,
-                                               text=self.detok.flush())
+                                               text=self._flush())
         return self._finish(message, "abort", None)
 
     async def run(self, flight: Flight) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
@@ -86,7 +88,7 @@ class ResponseStream:
                 return
             if finished:
                 flight.done = True  # the worker has freed it already
-                message.text += self.detok.flush()
+                message.text += self._flush()
                 yield self._finish(message, end.finish_reason, end.stop_reason)
                 return
             if message.token_ids or message.text:
@@ -124,15 +126,28 @@ class ResponseStream:
                 self.metrics.observe_itl(now - self.last_at, len(token_ids))
             self.last_at = now
         self.token_ids += token_ids
+        self.text += update.delta
         message = pdserve_pb2.GenerateResponse(request_id=self.req.request_id, text=update.delta,
                                                token_ids=token_ids, logprobs=logprobs)
         return message, update.stop_string
+
+    def _flush(self) -> str:
+        """The detokenizer's held-back text, at the end."""
+        tail = self.detok.flush()
+        self.text += tail
+        return tail
 
     def _finish(self, message: pdserve_pb2.GenerateResponse, reason: str,
                 stop_reason: str | None) -> pdserve_pb2.GenerateResponse:
         now = time.monotonic()
         cached = self.num_cached_tokens
         num_prompt = len(self.req.prompt_token_ids)
+        if self.req.tools is not None:
+            content, calls = read_reply(self.req.tools, self.req.tool_call_parser, self.text)
+            message.content = content or ""
+            message.tool_calls.extend(pdserve_pb2.ToolCall(id=c.id, name=c.name,
+                                                           arguments=c.arguments) for c in calls)
+            reason = finish_reason(reason, bool(calls))
         message.finish_reason = reason
         message.stop_reason = stop_reason or ""
         message.usage.CopyFrom(pdserve_pb2.Usage(

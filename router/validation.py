@@ -12,6 +12,7 @@ A session id is scoped by the caller's tenant (`pdserve.redis_keys.scoped_sessio
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -20,19 +21,23 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from pdserve.engine.config import load_model_config
-from pdserve.engine.input_processor import chat_prompt, check_prompt_length, tokenize_prompt
+from pdserve.engine.input_processor import (
+    chat_prompt,
+    check_prompt_length,
+    prepare_params,
+    tokenize_prompt,
+)
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured_outputs_params import StructuredOutputsParams
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.proto import pdserve_pb2, raw_pb2
 from pdserve.redis_keys import PUBLIC_TENANT, scoped_session_id
+from pdserve.router.invalid_argument import InvalidArgument
+from pdserve.router.tools import ToolRequest, forced_schema, parse_tools
 from pdserve.wire import sampling_from_proto
 
 MAX_REQUEST_ID_CHARS = 128  # room for the router's retry suffix in a 256-char worker id
 MAX_ID_CHARS = 256  # session_id
-
-
-class InvalidArgument(ValueError):
-    """A request the router refuses; the message starts with the field's name."""
 
 
 @dataclass(frozen=True)
@@ -45,13 +50,14 @@ class ModelContext:
     max_model_len: int
     dtype: str = "float32"  # as served (resolved: never "auto")
     eos_token_ids: tuple[int, ...] = ()
+    tool_call_parser: str = "hermes"  # the chat template's tool-call format (router.tools)
 
     @classmethod
-    def load(cls, path: str, name: str, dtype: str = "auto",
-             max_model_len: int | None = None) -> ModelContext:
+    def load(cls, path: str, name: str, dtype: str = "auto", max_model_len: int | None = None,
+             tool_call_parser: str = "hermes") -> ModelContext:
         config = load_model_config(path, dtype, max_model_len)
         return cls(name, load_tokenizer(path), config.vocab_size,
-                   config.max_model_len, config.dtype, config.eos_token_ids)
+                   config.max_model_len, config.dtype, config.eos_token_ids, tool_call_parser)
 
 
 @dataclass(frozen=True)
@@ -61,9 +67,13 @@ class RequestLimits:
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 64
+    max_logit_bias: int = 300  # OpenAI's
+    max_bad_words: int = 64
+    max_grammar_chars: int = 65536  # a structured output's schema, regex or grammar
 
     def __post_init__(self) -> None:
-        for name in ("max_stop_strings", "max_stop_string_chars", "max_stop_token_ids"):
+        for name in ("max_stop_strings", "max_stop_string_chars", "max_stop_token_ids",
+                     "max_logit_bias", "max_bad_words", "max_grammar_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -80,6 +90,8 @@ class ValidRequest:
     # a migrated request: the prompt's last this-many tokens were generated (and streamed)
     # by a decode worker that died; the worker-plane field of the same name
     num_output_tokens: int = 0
+    tools: ToolRequest | None = None  # the answer is read for tool calls (not for "none")
+    tool_call_parser: str = "hermes"
 
     def continued(self, output_token_ids: Sequence[int]) -> ValidRequest:
         """This request as another decode worker takes it over after `output_token_ids` were
@@ -90,7 +102,8 @@ class ValidRequest:
             raise ValueError(f"a request continues after 0..{self.params.max_tokens - 1} "
                              f"generated tokens, got {num_done}")
         return replace(self, prompt_token_ids=self.prompt_token_ids + tuple(output_token_ids),
-                       params=replace(self.params, max_tokens=self.params.max_tokens - num_done),
+                       params=replace(self.params, max_tokens=self.params.max_tokens - num_done,
+                                      min_tokens=max(self.params.min_tokens - num_done, 0)),
                        num_output_tokens=self.num_output_tokens + num_done)
 
 
@@ -134,7 +147,10 @@ def validate(request: pdserve_pb2.GenerateRequest, model: ModelContext,
         raise InvalidArgument(
             f"model {request.model!r} is not served here; this router serves {model.name!r}"
         )
-    prompt_ids = _prompt_ids(request, model)
+    tools = parse_request_tools(request)
+    if tools is not None and not request.messages:
+        raise InvalidArgument("tools: tools need messages (the chat template renders them)")
+    prompt_ids = _prompt_ids(request, model, tools)
     try:
         check_prompt_length(len(prompt_ids), model.max_model_len)
     except ValueError as exc:
@@ -150,13 +166,71 @@ def validate(request: pdserve_pb2.GenerateRequest, model: ModelContext,
             f"sampling.max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens "
             f"({params.max_tokens}) exceeds max_model_len ({model.max_model_len})"
         )
-    for token_id in params.stop_token_ids:
-        if token_id >= model.vocab_size:
-            raise InvalidArgument(f"sampling.stop_token_ids: {token_id} is outside the vocabulary")
-    return ValidRequest(request_id, tuple(prompt_ids), params, session_id)
+    forced = forced_schema(tools) if tools is not None else None
+    if forced is not None:
+        if params.structured_outputs is not None:
+            raise InvalidArgument("tool_choice: a forced tool choice and structured_outputs "
+                                  "both shape the output: give one")
+        params = replace(params, structured_outputs=StructuredOutputsParams(json=forced))
+    try:
+        params = prepare_params(params, model.tokenizer, model.vocab_size)
+    except ValueError as exc:
+        raise InvalidArgument(f"sampling.{exc}") from None
+    return ValidRequest(request_id, tuple(prompt_ids), params, session_id,
+                        tools=tools if tools is not None and tools.choice != "none" else None,
+                        tool_call_parser=model.tool_call_parser)
 
 
-def _prompt_ids(request: pdserve_pb2.GenerateRequest, model: ModelContext) -> list[int]:
+def _chat_message(m: pdserve_pb2.ChatMessage) -> dict[str, Any]:
+    """A message as chat templates take it: a call's arguments as an object (templates
+    write them with tojson), a tool turn with the id of the call it answers."""
+    message: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.name, "arguments": _json_or_text(c.arguments)}} for c in m.tool_calls]
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    if m.name:
+        message["name"] = m.name
+    return message
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def parse_request_tools(request: pdserve_pb2.GenerateRequest) -> ToolRequest | None:
+    """The request's tools and tool choice, checked as the OpenAI front checks them."""
+    if not request.tools and not request.HasField("tool_choice"):
+        return None
+    functions = []
+    for i, tool in enumerate(request.tools):
+        function: dict[str, Any] = {"name": tool.name}
+        if tool.description:
+            function["description"] = tool.description
+        if tool.parameters:
+            try:
+                function["parameters"] = json.loads(tool.parameters)
+            except ValueError:
+                raise InvalidArgument(f"tools[{i}].parameters is not JSON") from None
+        functions.append({"type": "function", "function": function})
+    body: dict[str, Any] = {"tools": functions}
+    kind = request.tool_choice.WhichOneof("kind")
+    if kind == "function":
+        body["tool_choice"] = {"type": "function",
+                               "function": {"name": request.tool_choice.function}}
+    elif kind is not None:
+        body["tool_choice"] = kind
+    if request.HasField("parallel_tool_calls"):
+        body["parallel_tool_calls"] = request.parallel_tool_calls
+    return parse_tools(body)
+
+
+def _prompt_ids(request: pdserve_pb2.GenerateRequest, model: ModelContext,
+                tools: ToolRequest | None = None) -> list[int]:
     given = [name for name, present in (
         ("prompt", request.HasField("prompt")),
         ("prompt_token_ids", bool(request.prompt_token_ids)),
@@ -169,8 +243,8 @@ def _prompt_ids(request: pdserve_pb2.GenerateRequest, model: ModelContext) -> li
         )
     try:
         if given[0] == "messages":
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            return chat_prompt(messages, model.tokenizer)
+            messages = [_chat_message(m) for m in request.messages]
+            return chat_prompt(messages, model.tokenizer, tools and tools.tools)
         prompt = request.prompt if given[0] == "prompt" else list(request.prompt_token_ids)
         return tokenize_prompt(prompt, model.tokenizer, model.vocab_size)
     except ValueError as exc:
@@ -189,6 +263,20 @@ def check_limits(sampling: pdserve_pb2.SamplingParams, limits: RequestLimits) ->
     if len(sampling.stop_token_ids) > limits.max_stop_token_ids:
         raise InvalidArgument(f"sampling.stop_token_ids: {len(sampling.stop_token_ids)} ids; "
                               f"the limit is {limits.max_stop_token_ids}")
+    if len(sampling.logit_bias) > limits.max_logit_bias:
+        raise InvalidArgument(f"sampling.logit_bias: {len(sampling.logit_bias)} entries; the "
+                              f"limit is {limits.max_logit_bias}")
+    if len(sampling.bad_words) > limits.max_bad_words or any(
+            len(w) > limits.max_stop_string_chars for w in sampling.bad_words):
+        raise InvalidArgument(f"sampling.bad_words: at most {limits.max_bad_words} words of "
+                              f"at most {limits.max_stop_string_chars} characters")
+    if sampling.bad_words_token_ids:
+        raise InvalidArgument("sampling.bad_words_token_ids: set by the router from bad_words; "
+                              "leave it empty")
+    spec = sampling.structured_outputs
+    if spec.ByteSize() > limits.max_grammar_chars:
+        raise InvalidArgument(f"sampling.structured_outputs: {spec.ByteSize()} bytes; the "
+                              f"limit is {limits.max_grammar_chars}")
 
 
 def _check_id(name: str, value: str, limit: int = MAX_ID_CHARS) -> str:

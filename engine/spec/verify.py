@@ -45,11 +45,12 @@ def accepted_prefix(targets: Sequence[int], drafts: Sequence[int]) -> list[int]:
 
 
 def verify(
-    sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch, groups: Sequence[Group]
+    sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch, groups: Sequence[Group],
+    raw: torch.Tensor | None = None,
 ) -> tuple[list[list[int]], SamplerOutput]:
     """`logits` [R, V] and `batch` one row each (no generators: shared noise for random rows);
     returns each group's emitted tokens, and the sampler output of the emitted rows in order
-    (token ids and, when asked, their logprobs)."""
+    (token ids and, when asked, their logprobs, from `raw` when given: see Sampler)."""
     logits = logits.float()
     targets = sampler.sample_tokens(logits, batch).tolist()
     x = None
@@ -64,7 +65,8 @@ def verify(
         rows.extend(range(g.first_row, g.first_row + len(tokens)))
     flat = torch.tensor([t for tokens in emitted for t in tokens], device=logits.device)
     index = torch.tensor(rows, device=logits.device)
-    return emitted, with_logprobs(logits[index], flat, batch.max_num_logprobs)
+    raw = logits if raw is None else raw.float()
+    return emitted, with_logprobs(raw[index], flat, batch.max_num_logprobs)
 
 
 def _seeded_prefix(x: torch.Tensor, g: Group) -> list[int]:

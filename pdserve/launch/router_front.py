@@ -45,6 +45,7 @@ class RouterSpec:
     max_sessions_per_tenant: int
     redis_password: str | None = field(default=None, repr=False)
     api_tokens: tuple[str, ...] = field(default=(), repr=False)
+    tool_call_parser: str = "hermes"
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -78,7 +79,8 @@ def router_spec(s, model_path: str, model_name: str, redis_url: str, tls: TLSFil
         redis_url=redis_url, redis_namespace=s.redis_namespace,
         session_ttl_s=s.session_ttl_s, session_max_tokens=s.session_max_tokens,
         max_sessions_per_tenant=s.max_sessions_per_token,
-        redis_password=s.redis_password, api_tokens=api_tokens)
+        redis_password=s.redis_password, api_tokens=api_tokens,
+        tool_call_parser=s.tool_call_parser)
 
 
 class RouterFronts:
@@ -102,7 +104,7 @@ class RouterFronts:
         from pdserve.router.validation import ModelContext
 
         model = await asyncio.to_thread(ModelContext.load, spec.model_path, spec.model_name,
-                                        spec.dtype, spec.max_model_len)
+                                        spec.dtype, spec.max_model_len, spec.tool_call_parser)
         store = RedisStore(spec.redis_url, spec.redis_password, spec.redis_namespace,
                            session_ttl_s=spec.session_ttl_s,
                            session_max_tokens=spec.session_max_tokens,

@@ -23,6 +23,7 @@ from typing import Any
 from pdserve import defaults
 from pdserve.engine.spec.config import parse_speculative_config
 from pdserve.redis_keys import DEFAULT_NAMESPACE
+from pdserve.router.tools import TOOL_PARSERS
 from pdserve.tls import TLSFiles
 from pdserve.worker_grpc import worker_tls
 
@@ -102,6 +103,9 @@ class ServeSettings:
     cluster_tls_key: str | None = _opt(None, "PEM private key of --cluster-tls-cert")
     cluster_tls_ca: str | None = _opt(
         None, "PEM CA bundle that signed --cluster-tls-cert (workers and router verify it)")
+    tool_call_parser: str = _opt(
+        "hermes", "how the model writes tool calls (tool_choice auto): hermes (Hermes, Qwen "
+        "2.5 / 3) | llama3_json (Llama 3.1 / 3.2)")
     max_stop_strings: int = _opt(16, "stop strings one request may give")
     max_stop_string_chars: int = _opt(256, "characters per stop string")
     max_stop_token_ids: int = _opt(64, "stop token ids one request may give")
@@ -168,6 +172,9 @@ class ServeSettings:
             raise ValueError("api_token and api_token_file are both set: give the token(s) "
                              "one way (api_token_file keeps them out of argv and env)")
         parse_speculative_config(self.speculative_config)  # ValueError naming the bad field
+        if self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
         if not 0 < self.kv_transfer_timeout_s < math.inf:
             raise ValueError(
                 f"kv_transfer_timeout_s must be a positive number, got {self.kv_transfer_timeout_s}"

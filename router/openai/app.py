@@ -107,7 +107,8 @@ class OpenAIApp:
             status = exc.status if isinstance(exc, HTTPError) else 400
             return JSONResponse(error_body(status, exc), status_code=status)
         timeout = min(parsed.timeout_s or self.max_timeout_s, self.max_timeout_s)
-        answer = Choices(parsed, self.router.model.name, self.texts)
+        answer = Choices(parsed, self.router.model.name, self.texts,
+                         self.router.model.tool_call_parser)
         return GenerationResponse(
             parsed, lambda: [self.router.generate(v, received) for v in valid], answer,
             timeout, self.router.metrics.count_request)
@@ -119,8 +120,8 @@ class OpenAIApp:
             return [choice for r in parsed.requests
                     for choice in choices(validate(r, model, self.limits, tenant), parsed.n)]
         except InvalidArgument as exc:
-            raise BadParameter.from_router(exc, parsed.max_tokens_param,
-                                           parsed.prompt_param) from None
+            raise BadParameter.from_router(exc, parsed.max_tokens_param, parsed.prompt_param,
+                                           parsed.structured_param) from None
 
     async def _body(self, request: Request) -> Any:
         body = bytearray()

@@ -12,10 +12,9 @@ import asyncio
 from typing import Any
 
 from pdserve.router.admission import Overloaded, ShuttingDown
-from pdserve.router.openai.protocol import BadParameter
+from pdserve.router.invalid_argument import BadParameter, InvalidArgument
 from pdserve.router.placement import NoCapacity
 from pdserve.router.stream import WorkerFailed
-from pdserve.router.validation import InvalidArgument
 from pdserve.router.workers import WorkerLost
 
 TYPES = {400: "invalid_request_error", 401: "invalid_request_error",

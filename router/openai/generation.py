@@ -144,8 +144,11 @@ class GenerationResponse:
         self.started = True
         chunks = self.choices.first_chunks()
         while arrived:
-            chunks += [chunk for index, message in arrived
-                       if (chunk := self.choices.add_json(index, message)) is not None]
+            for index, message in arrived:
+                if self.request.tools is not None:
+                    chunks += self.choices.tool_chunks(index, message)
+                elif (chunk := self.choices.add_json(index, message)) is not None:
+                    chunks.append(chunk)
             await _events(send, chunks)
             chunks, arrived = [], await streams.next()
         if self.request.include_usage:

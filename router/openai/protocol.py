@@ -12,14 +12,16 @@ seed + i, so the choices differ and the whole answer is reproducible.
 
 from __future__ import annotations
 
-import re
+import json
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from pdserve.proto import pdserve_pb2
-from pdserve.router.validation import InvalidArgument, ValidRequest
+from pdserve.router.invalid_argument import BadParameter
+from pdserve.router.tools import ToolRequest, parse_tools
+from pdserve.router.validation import ValidRequest
 
 MAX_N = 16
 MAX_PROMPTS = 64  # prompts in one /v1/completions call (each fans out into n requests)
@@ -27,34 +29,8 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/comp
 INT32_MAX = 2**31 - 1
 # Parameters pdserve does not implement: refused when they would change the answer, rather
 # than silently ignored. Value: what "not set" looks like.
-UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
-               "logit_bias": None, "echo": False, "suffix": None, "tools": None,
-               "functions": None, "best_of": None, "response_format": None,
-               "prompt_logprobs": None}
-
-
-class BadParameter(InvalidArgument):
-    """A 400: `param` is the OpenAI parameter at fault."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-    @classmethod
-    def from_router(cls, exc: InvalidArgument, max_tokens_param: str,
-                    prompt_param: str) -> BadParameter:
-        """The router's message, its field renamed to the parameter the client sent."""
-        message = str(exc)
-        field = re.match(r"[A-Za-z_]+", message.removeprefix("sampling."))
-        name = field.group(0) if field else prompt_param
-        if name == "max_tokens":
-            name = max_tokens_param
-        elif name in ("prompt", "prompt_token_ids", "messages"):
-            name = prompt_param
-        text = message.removeprefix("sampling.")
-        if text.startswith("max_tokens"):
-            text = max_tokens_param + text.removeprefix("max_tokens")
-        return cls(name, text)
+UNSUPPORTED = {"suffix": None, "functions": None, "function_call": None, "best_of": None,
+               "echo": False, "prompt_logprobs": None}
 
 
 @dataclass(frozen=True)
@@ -72,6 +48,8 @@ class OpenAIRequest:
     max_tokens_param: str
     prompt_param: str
     timeout_s: float | None
+    structured_param: str = "structured_outputs"  # or response_format: what the client sent
+    tools: ToolRequest | None = None  # chat: its replies are read for tool calls
 
 
 def parse_chat(body: Any, session_header: str = "") -> OpenAIRequest:
@@ -84,7 +62,23 @@ def parse_chat(body: Any, session_header: str = "") -> OpenAIRequest:
     max_param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     sampling = _sampling(body, max_param, None, logprobs)
     base = pdserve_pb2.GenerateRequest(messages=proto_messages, sampling=sampling)
-    return _request(body, True, [base], logprobs, max_param, "messages", session_header)
+    tools = parse_tools(body)
+    if tools is not None:
+        _add_tools(base, tools)
+    return replace(_request(body, True, [base], logprobs, max_param, "messages",
+                            session_header), tools=tools)
+
+
+def _add_tools(request: pdserve_pb2.GenerateRequest, tools: ToolRequest) -> None:
+    for tool in tools.tools:
+        function = tool["function"]
+        request.tools.add(name=function["name"], description=function.get("description", ""),
+                          parameters=json.dumps(tools.schemas[function["name"]]))
+    if tools.choice == "function":
+        request.tool_choice.function = tools.function
+    else:
+        setattr(request.tool_choice, tools.choice, True)
+    request.parallel_tool_calls = tools.parallel_tool_calls
 
 
 def parse_completion(body: Any, session_header: str = "") -> OpenAIRequest:
@@ -126,7 +120,8 @@ def _request(body: Mapping[str, Any], chat: bool, bases: list[pdserve_pb2.Genera
     for p, base in enumerate(bases):
         base.request_id, base.model, base.session_id = f"{response_id}-{p}", model, session
     return OpenAIRequest(chat, response_id, model, tuple(bases), n, stream, include_usage,
-                         logprobs, max_param, prompt_param, timeout)
+                         logprobs, max_param, prompt_param, timeout,
+                         "response_format" if "response_format" in body else "structured_outputs")
 
 
 def choices(valid: ValidRequest, n: int) -> list[ValidRequest]:
@@ -168,7 +163,74 @@ def _sampling(body: Mapping[str, Any], max_param: str, default_max: int | None,
         msg.skip_special_tokens = skip_special
     if logprobs is not None:
         msg.logprobs = logprobs
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = _get(body, name, (int, float))
+        if value is not None:
+            setattr(msg, name, value)
+    min_tokens = _int(body, "min_tokens", 0, INT32_MAX)
+    if min_tokens is not None:
+        msg.min_tokens = min_tokens
+    msg.logit_bias.update(_logit_bias(body))
+    bad_words = _get(body, "bad_words", list) or []
+    if not all(isinstance(w, str) for w in bad_words):
+        raise BadParameter("bad_words", "bad_words must be a list of strings")
+    msg.bad_words.extend(bad_words)
+    _structured_outputs(body, msg.structured_outputs)
     return msg
+
+
+def _logit_bias(body: Mapping[str, Any]) -> dict[int, float]:
+    """OpenAI's {"token id": bias}; the range and the vocabulary are the router's checks."""
+    bias = _get(body, "logit_bias", dict) or {}
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) <= INT32_MAX):
+            raise BadParameter("logit_bias", f"logit_bias: key {key!r} is not a token id")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise BadParameter("logit_bias", f"logit_bias[{key}] must be a number")
+        out[int(key)] = value
+    return out
+
+
+def _structured_outputs(body: Mapping[str, Any], msg: pdserve_pb2.StructuredOutputs) -> None:
+    """OpenAI's response_format, or vLLM's structured_outputs (one kind), into `msg`."""
+    fmt = _get(body, "response_format", dict)
+    spec = _get(body, "structured_outputs", dict)
+    if fmt is not None and spec is not None:
+        raise BadParameter("response_format", "response_format and structured_outputs: give "
+                                              "one")
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            msg.json_object = True
+        elif kind == "json_schema":
+            schema = fmt.get("json_schema")
+            if not isinstance(schema, dict) or not isinstance(schema.get("schema", {}), dict):
+                raise BadParameter("response_format", "response_format.json_schema must be an "
+                                                      "object with a `schema` object")
+            msg.json = json.dumps(schema.get("schema", {}))
+        elif kind != "text":
+            raise BadParameter("response_format", "response_format.type must be text, "
+                                                  f"json_object or json_schema, got {kind!r}")
+        return
+    if spec is None:
+        return
+    given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+             if spec.get(k) not in (None, False)]
+    if len(given) != 1 or set(spec) - {"json", "regex", "choice", "grammar", "json_object"}:
+        raise BadParameter("structured_outputs", "structured_outputs: give exactly one of "
+                                                 "json, regex, choice, grammar, json_object")
+    kind, value = given[0], spec[given[0]]
+    if kind == "json" and isinstance(value, dict):
+        value = json.dumps(value)
+    ok = {"json": str, "regex": str, "grammar": str, "choice": list, "json_object": bool}[kind]
+    if not isinstance(value, ok) or (kind == "choice"
+                                     and not all(isinstance(c, str) for c in value)):
+        raise BadParameter("structured_outputs", f"structured_outputs.{kind} has the wrong type")
+    if kind == "choice":
+        msg.choice.choices.extend(value)
+    else:
+        setattr(msg, kind, value)
 
 
 def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
@@ -185,6 +247,9 @@ def _chat_message(i: int, message: Any) -> pdserve_pb2.ChatMessage:
     role, content = message.get("role"), message.get("content")
     if not isinstance(role, str):
         raise BadParameter("messages", f"messages[{i}].role must be a string")
+    calls = message.get("tool_calls") or []
+    if content is None and calls:  # an assistant turn that only called tools
+        content = ""
     if isinstance(content, list):  # content parts: text only
         if not all(isinstance(p, dict) and p.get("type") == "text"
                    and isinstance(p.get("text"), str) for p in content):
@@ -193,7 +258,22 @@ def _chat_message(i: int, message: Any) -> pdserve_pb2.ChatMessage:
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise BadParameter("messages", f"messages[{i}].content must be a string or text parts")
-    return pdserve_pb2.ChatMessage(role=role, content=content)
+    proto = pdserve_pb2.ChatMessage(role=role, content=content)
+    for call in calls if isinstance(calls, list) else [None]:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments", ""), str)
+                and isinstance(call.get("id", ""), str)):
+            raise BadParameter("messages", f"messages[{i}].tool_calls: each needs an id, and a "
+                                           "function with a name and arguments (JSON text)")
+        proto.tool_calls.add(id=call.get("id", ""), name=function["name"],
+                             arguments=function.get("arguments", ""))
+    for name in ("tool_call_id", "name"):
+        value = message.get(name)
+        if value is not None and not isinstance(value, str):
+            raise BadParameter("messages", f"messages[{i}].{name} must be a string")
+        setattr(proto, name, value or "")
+    return proto
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:

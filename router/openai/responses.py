@@ -14,6 +14,7 @@ from typing import Any
 
 from pdserve.proto import pdserve_pb2
 from pdserve.router.openai.protocol import OpenAIRequest
+from pdserve.router.tools import NamedToolStream, ToolParser, reply_stream
 
 _MARK = "\x00"  # where a template's text goes (json.dumps writes it as \u0000, once)
 
@@ -45,13 +46,18 @@ class _Choice:
     stop_reason: str | int | None = None
     usage: pdserve_pb2.Usage | None = None
     logprobs: list[dict[str, Any]] = field(default_factory=list)  # chat entries
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # the router read them
+    content: str | None = None  # the text outside the calls, when there are calls
+    reader: ToolParser | NamedToolStream | None = None  # a streamed chat with tools
     completion_logprobs: dict[str, list] = field(default_factory=lambda: {
         "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
 
 
 class Choices:
-    def __init__(self, request: OpenAIRequest, model: str, texts: TokenTexts) -> None:
+    def __init__(self, request: OpenAIRequest, model: str, texts: TokenTexts,
+                 tool_call_parser: str = "hermes") -> None:
         self.request, self.model, self.texts = request, model, texts
+        self.tool_call_parser = tool_call_parser
         self.created = int(time.time())
         self.choices = [_Choice() for _ in range(len(request.requests) * request.n)]
         self._templates: dict[int, tuple[str, str]] = {}  # add_json's, per choice
@@ -64,6 +70,24 @@ class Choices:
         if not (message.text or message.token_ids or message.finish_reason):
             return None
         return self._chunk([self._chunk_choice(index, message, new_logprobs)])
+
+    def tool_chunks(self, index: int, message: pdserve_pb2.GenerateResponse
+                    ) -> list[dict[str, Any]]:
+        """A chat with tools: the message's text through the choice's tool-call reader, as
+        OpenAI streams calls (`delta.tool_calls`), the finish in a chunk of its own."""
+        choice = self.choices[index]
+        self._record(index, message)
+        if choice.reader is None:
+            choice.reader = reply_stream(self.request.tools, self.tool_call_parser)
+        deltas = choice.reader.feed(message.text) if message.text else []
+        if message.finish_reason:
+            deltas += choice.reader.finish()
+        chunks = [self._chunk([{"index": index, "delta": delta, "logprobs": None,
+                                "finish_reason": None}]) for delta in deltas]
+        if message.finish_reason:
+            chunks.append(self._chunk([self._chunk_choice(index, message, None)]))
+            chunks[-1]["choices"][0]["delta"] = {}
+        return chunks
 
     def add_json(self, index: int, message: pdserve_pb2.GenerateResponse) -> str | None:
         """`add`, with the chunk as the JSON text a stream sends. A plain text delta (no
@@ -92,6 +116,9 @@ class Choices:
         choice.num_tokens += len(message.token_ids)
         new_logprobs = self._logprobs(choice, message, offset)
         if message.finish_reason:
+            choice.tool_calls = [{"id": c.id, "type": "function", "function": {
+                "name": c.name, "arguments": c.arguments}} for c in message.tool_calls]
+            choice.content = message.content or None
             choice.finish_reason = message.finish_reason
             choice.stop_reason = self._stop_reason(index, message.stop_reason)
             choice.usage = message.usage
@@ -118,6 +145,9 @@ class Choices:
                                      "stop_reason": c.stop_reason}
             if self.request.chat:
                 entry["message"] = {"role": "assistant", "content": c.text}
+                if c.tool_calls:
+                    entry["message"] = {"role": "assistant", "content": c.content,
+                                        "tool_calls": c.tool_calls}
                 entry["logprobs"] = ({"content": c.logprobs}
                                      if self.request.logprobs is not None else None)
             else:

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from pdserve import LLM, SamplingParams
+from pdserve import LLM, SamplingParams, StructuredOutputsParams
 from tests.integration.test_engine_behaviour import assert_all_free
 from tests.tiny_models import write_tiny_model
 
@@ -72,9 +72,17 @@ def test_greedy_tokens_are_the_same_with_speculation(
 def test_seeded_sampling_is_the_same_with_speculation(tiny_llama_dir, tiny_draft_dir, method):
     plain = make(tiny_llama_dir)
     spec = make(tiny_llama_dir, spec_configs(tiny_llama_dir, tiny_draft_dir)[method])
-    prompts = repetitive_prompts(2, 5)
+    prompts = repetitive_prompts(2, 7)
     params = [
         SamplingParams(temperature=0.8, max_tokens=40, seed=11, ignore_eos=True),
+        # drafts checked against a grammar (a looping JSON array) and counted by penalties
+        SamplingParams(temperature=0.05, max_tokens=24, seed=16, ignore_eos=True,
+                       structured_outputs=StructuredOutputsParams(
+                           json='{"type": "array", "items": {"enum": [1, 22, 333]}, '
+                                '"minItems": 30}')),
+        SamplingParams(temperature=0.8, max_tokens=24, seed=17, ignore_eos=True,
+                       frequency_penalty=0.4, presence_penalty=0.2, repetition_penalty=1.1,
+                       logit_bias={5: 3.0}, bad_words_token_ids=((7, 8),)),
         SamplingParams(temperature=1.0, top_k=20, max_tokens=33, seed=12, ignore_eos=True),
         SamplingParams(temperature=0.6, top_p=0.9, max_tokens=25, seed=13, ignore_eos=True),
         SamplingParams(temperature=0.7, min_p=0.05, max_tokens=37, seed=14, ignore_eos=True),

@@ -81,7 +81,17 @@ def test_chat_content_parts_and_logprobs() -> None:
     ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
     ({"prompt": "x", "stream_options": {"include_usage": "yes"}}, "stream_options"),
     ({"prompt": "x", "timeout": 0}, "timeout"),
-    ({"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"a": 2}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"1": "2"}}, "logit_bias"),
+    ({"prompt": "x", "presence_penalty": "high"}, "presence_penalty"),
+    ({"prompt": "x", "bad_words": ["a", 3]}, "bad_words"),
+    ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
+    ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format"),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": []}},
+     "response_format"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}},
+     "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"choice": "b"}}, "structured_outputs"),
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),  # vLLM's extra: not served
     ({"prompt": [1, "a"]}, "prompt"),
@@ -123,6 +133,9 @@ def test_router_field_names_become_openai_parameters() -> None:
     assert rename("prompt must not be empty", prompt="messages")[0] == "messages"
     assert rename("prompt_token_ids: token id 9 is outside")[0] == "prompt"
     assert rename("messages[0].role must not be empty", prompt="messages")[0] == "messages"
+    exc = BadParameter.from_router(InvalidArgument("sampling.structured_outputs.json: bad"),
+                                   "max_tokens", "prompt", "response_format")
+    assert (exc.param, str(exc)) == ("response_format", "structured_outputs.json: bad")
     assert rename("sampling.stop[3] is 300 characters; the limit is 256") == (
         "stop", "stop[3] is 300 characters; the limit is 256")
     assert rename("sampling.stop_token_ids: 65 ids; the limit is 64")[0] == "stop_token_ids"

@@ -16,7 +16,7 @@ FIELDS = dataclasses.fields(ServeSettings)
 FIELD_NAMES = [f.name for f in FIELDS]
 NON_BOOL = [f.name for f in FIELDS if not isinstance(f.default, bool)]
 # fields with a fixed set of values: too few for the three-layer precedence test
-CHOICES = {"mode": ("disaggregated", "colocated")}
+CHOICES = {"mode": ("disaggregated", "colocated"), "tool_call_parser": ("hermes", "llama3_json")}
 # text fields whose values have a form: valid samples
 SAMPLES = {"speculative_config": [f'{{"method": "ngram", "num_speculative_tokens": {n}}}'
                                   for n in (1, 2, 3)]}

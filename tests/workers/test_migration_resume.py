@@ -19,6 +19,7 @@ import pytest
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured_outputs_params import StructuredOutputsParams
 from tests.workers.pd import engine_config, loopback_pair, run_engine, streams
 
 MAX_TOKENS = 12
@@ -26,6 +27,12 @@ PARAMS = {
     "greedy": SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
     "seeded": SamplingParams(temperature=0.8, top_p=0.95, seed=77, max_tokens=MAX_TOKENS,
                              ignore_eos=True),
+    # a grammar (an array too long to end within max_tokens) and every penalty: the matcher
+    # and the counts replay the streamed tokens
+    "constrained": SamplingParams(
+        temperature=0.8, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True, presence_penalty=0.5,
+        frequency_penalty=0.3, repetition_penalty=1.2, structured_outputs=StructuredOutputsParams(
+            json='{"type": "array", "items": {"type": "integer"}, "minItems": 40}')),
 }
 PROMPTS = [list(range(200, 230)), list(range(300, 305)), list(range(40, 77))]
 CUTS = (1, 5, MAX_TOKENS - 1)  # tokens streamed before the decode worker died
@@ -50,9 +57,14 @@ def continued(kind: str, prompt: list[int], done: list[int]) -> tuple[list[int],
     return prompt + done, dataclasses.replace(params, max_tokens=params.max_tokens - len(done))
 
 
-def test_sampling_differs_from_the_seed_start(undisturbed) -> None:
-    """The seeded case tests something: its continuation is not what a fresh seed gives."""
+def test_sampling_differs_from_the_seed_start(undisturbed, tiny_llama_dir) -> None:
+    """The seeded case tests something: its continuation is not what a fresh seed gives; the
+    constrained one is the grammar's (a JSON array of integers)."""
     assert undisturbed["seeded"] != undisturbed["greedy"]
+    from transformers import AutoTokenizer
+    text = AutoTokenizer.from_pretrained(str(tiny_llama_dir)).decode(
+        undisturbed["constrained"][0])
+    assert text.startswith("[") and set(text[1:]) <= set("0123456789-, \n"), text
 
 
 @pytest.mark.parametrize("kind", PARAMS)
