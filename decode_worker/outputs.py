@@ -16,6 +16,7 @@ class DecodeOutput:
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token, when asked
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0  # prompt tokens this worker served from its prefix cache
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # with the first token, when asked
 
     @property
     def finished(self) -> bool:
@@ -24,4 +25,5 @@ class DecodeOutput:
     @classmethod
     def from_core(cls, out: EngineCoreOutput) -> DecodeOutput:
         return cls(out.request_id, out.new_token_ids, out.finish_reason, out.error,
-                   out.new_logprobs, out.stop_reason, max(out.num_cached_tokens, 0))
+                   out.new_logprobs, out.stop_reason, max(out.num_cached_tokens, 0),
+                   out.prompt_logprobs or ())

@@ -59,6 +59,7 @@ def delta_to_proto(out: DecodeOutput) -> worker_pb2.RequestDelta:
         finish_reason=out.finish_reason or "", error=out.error or "",
         stop_reason="" if out.stop_reason is None else str(out.stop_reason),
         num_cached_tokens=out.num_cached_tokens,
+        prompt_logprobs=[logprobs_to_proto(lp) for lp in out.prompt_logprobs],
     )
 
 

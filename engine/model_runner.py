@@ -36,7 +36,7 @@ from pdserve.engine.scheduler_output import (
     TokenLogprobs,
 )
 from pdserve.engine.spec.verify import Group, verify
-from pdserve.engine.structured_output import allocate_bitmask, apply_bitmask
+from pdserve.engine.structured_output import allocate_bitmask
 from pdserve.kernels.attention_metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
 from pdserve.kernels.backend import get_backend
 from pdserve.kernels.kv_quant import allocate_kv_cache
@@ -146,7 +146,6 @@ class ModelRunner:
             return logits
         x = logits.float().clone()
         rows: list[LogitsRow | None] = []
-        grammar_rows: list[int] = []
         bitmask = None
         for e in sampling:
             request, first = e.request, len(rows)
@@ -162,13 +161,18 @@ class ModelRunner:
                                + j, len(request.output_token_ids) + j, stops)
                      for j in range(len(drafts) + 1)]
             if request.grammar is not None:
-                if bitmask is None:
-                    bitmask = allocate_bitmask(len(logits), x.shape[1], x.device)
+                if bitmask is None:  # all allowed; on the CPU, where xgrammar fills it
+                    bitmask = allocate_bitmask(len(logits), x.shape[1])
                 request.grammar.fill_draft_bitmasks(bitmask, first, drafts)
-                grammar_rows += range(first, len(rows))
         if bitmask is not None:
-            apply_bitmask(x, bitmask[grammar_rows], grammar_rows)
+            self.ops.apply_token_bitmask(x, bitmask)
         apply_logits_processors(x, rows)
+        if bitmask is not None:  # the grammar wins where bad words or min_tokens left nothing
+            dead = torch.isneginf(x).all(dim=1).nonzero().flatten()
+            if len(dead):
+                restored = logits[dead].float()
+                self.ops.apply_token_bitmask(restored, bitmask[dead.cpu()])
+                x[dead] = restored
         return x
 
     def _verify(self, sampling: list[ScheduledRequest], logits: torch.Tensor,

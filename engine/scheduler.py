@@ -170,6 +170,11 @@ class Scheduler:
             if request.grammar is not None and not request.grammar.ready:
                 compiling.append(self.waiting.popleft())
                 continue
+            if request.grammar is not None and request.grammar.error is not None:
+                self.waiting.popleft()
+                self._outputs.append(self._end(request, RequestStatus.FINISHED_ERROR,
+                                               request.grammar.error))
+                continue
             hits = self.kv_cache.find_cached_prefix(request)
             num_hit = len(hits) * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_hit, budget)
@@ -238,6 +243,8 @@ class Scheduler:
         """The prompt's KV has landed: run the request from its first token on."""
         request = self.requests[arrival.request_id]
         assert request.status is RequestStatus.WAITING_FOR_REMOTE_KV, request.status
+        if request.grammar is not None and request.grammar.error is not None:
+            return self._end(request, RequestStatus.FINISHED_ERROR, request.grammar.error)
         request.num_computed_tokens = request.num_prompt_tokens
         request.num_cached_tokens = max(request.num_cached_tokens, 0)
         request.status = RequestStatus.RUNNING

@@ -6,13 +6,25 @@ message can be broadcast from the scheduling rank to every tensor-parallel rank.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from pdserve.engine.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from pdserve.engine.request import Request
+
+class SamplingHistory(Protocol):
+    """What rank 0 reads of a request to process its logits (engine.request.Request is one):
+    its tokens, which of them it generated, its stop ids and its grammar."""
+
+    prompt_token_ids: Sequence[int]
+    output_token_ids: list[int]
+    num_prior_output_tokens: int
+    eos_token_ids: Sequence[int]
+    grammar: Any  # engine.structured_output.GrammarState | None
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -43,7 +55,7 @@ class ScheduledRequest:
     prompt_logprobs: PromptLogprobsTask | None = None  # positions this chunk computes
     # The request itself, on an entry that samples with logits processing (penalties, a
     # grammar, ...): rank 0 reads its tokens and grammar. Not part of the TP broadcast.
-    request: Request | None = field(default=None, compare=False)
+    request: SamplingHistory | None = field(default=None, compare=False)
 
     @property
     def num_tokens(self) -> int:

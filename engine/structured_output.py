@@ -5,8 +5,8 @@ module so SamplingParams can carry it to the router; re-exported here); the rout
 without a tokenizer (`check_structured_outputs`), so a bad one is a 400 before any worker sees
 it. On the engine, one `GrammarCompiler` turns it into an xgrammar CompiledGrammar on a
 background thread (cached, so a repeated schema costs nothing); each request's `GrammarState`
-follows the tokens it accepts and fills its row of a token bitmask, which `apply_bitmask`
-turns into -inf logits before sampling.
+follows the tokens it accepts and fills its row of a token bitmask, which the kernel backend's
+`apply_token_bitmask` turns into -inf logits before sampling.
 
 JSON is generated compact and strict: no free whitespace (json.dumps' default separators
 ", " and ": ") and no properties the schema does not name, so a small model cannot loop on
@@ -138,6 +138,15 @@ class GrammarState:
         return self._compiled.done()
 
     @property
+    def error(self) -> str | None:
+        """Why the grammar did not compile ("structured_outputs.<kind>: ..."), else None
+        (blocks until ready): the request ends with it."""
+        if self._compiled.cancelled():
+            return "structured_outputs: the engine's grammar compiler was closed"
+        exc = self._compiled.exception()
+        return None if exc is None else str(exc)
+
+    @property
     def terminated(self) -> bool:
         """The grammar accepted its stop token; False while it still compiles."""
         return self.ready and self._match().is_terminated()
@@ -165,15 +174,16 @@ class GrammarState:
         """
         matcher = self._match()
         accepted = 0
-        for j in range(len(drafts) + 1):
+        for j, token in enumerate(drafts):
             self.fill_bitmask(bitmask, first_row + j)
-            if j == len(drafts):
+            if matcher.is_terminated():
+                continue  # drafts past the stop token: unconstrained, as in fill_bitmask
+            if not matcher.accept_token(int(token)):
+                bitmask[first_row + j + 1:first_row + len(drafts) + 1] = bitmask[first_row + j]
                 break
-            if not matcher.is_terminated():
-                if not matcher.accept_token(drafts[j]):
-                    bitmask[first_row + j + 1:first_row + len(drafts) + 1] = bitmask[first_row + j]
-                    break
-                accepted += 1
+            accepted += 1
+        else:
+            self.fill_bitmask(bitmask, first_row + len(drafts))
         if accepted:
             matcher.rollback(accepted)
 
@@ -186,38 +196,10 @@ class GrammarState:
         return self._matcher
 
 
-def allocate_bitmask(num_rows: int, vocab_size: int, device: torch.device | str) -> torch.Tensor:
-    """All-allowed (every bit set) token bitmask: int32 [num_rows, ceil(vocab_size / 32)].
-
-    GrammarState fills CPU bitmasks only (xgrammar's matcher writes host memory).
-    """
-    return torch.full((num_rows, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device)
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
-                  rows: Sequence[int] | None = None) -> None:
-    """In place: logits the bitmask disallows -> -inf, with xgrammar's kernel (CPU or CUDA).
-
-    logits [B, V] (fp32, bf16 or fp16); bitmask [R, ceil(V / 32)] int32 on any device. With
-    `rows`, bitmask row i goes with logits row rows[i] and other rows stay as they are;
-    without, R == B.
-    """
-    num_rows, vocab_size = logits.shape
-    assert bitmask.dtype == torch.int32 and bitmask.shape[1] * 32 >= vocab_size, bitmask.shape
-    bitmask = bitmask.to(logits.device, non_blocking=True)
-    if rows is None:
-        assert bitmask.shape[0] == num_rows, (bitmask.shape, logits.shape)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size)
-        return
-    rows = list(rows)
-    assert bitmask.shape[0] == len(rows), (bitmask.shape, len(rows))
-    if not rows:
-        return
-    # xgrammar's `indices` pick the same row of logits and bitmask: spread the rows out first.
-    spread = torch.full((num_rows, bitmask.shape[1]), -1, dtype=torch.int32,
-                        device=logits.device)
-    spread[rows] = bitmask
-    xgr.apply_token_bitmask_inplace(logits, spread, vocab_size=vocab_size, indices=rows)
+def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    """All-allowed (every bit set) token bitmask: int32 [num_rows, ceil(vocab_size / 32)], on
+    the CPU, where xgrammar's matcher writes (the kernel takes it to the logits' device)."""
+    return torch.full((num_rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
 
 
 def _compile_with(compiler: xgr.GrammarCompiler,

@@ -22,7 +22,7 @@ calls `ops.<op>` and never asks what the device, the cache dtype or a weight's l
   step's K/V and attends (int8 or float cache alike, a layer's window and soft cap); the single
   ops beside it are what benchmarks and tests call;
 - norms, rotary, activations (SwiGLU's, GeGLU's), the KV store and the KV transfer's block
-  pack/unpack.
+  pack/unpack; structured outputs' token mask on the logits.
 
 A new op (LoRA's shrink/expand, latent attention) is a method here with its reference in
 `kernels.reference`, overridden where a backend has a kernel.
@@ -62,6 +62,7 @@ from pdserve.kernels.reference.rms_norm import rms_norm_ref
 from pdserve.kernels.reference.rotary_embedding import rotary_embedding_ref
 from pdserve.kernels.reference.silu_and_mul import silu_and_mul_ref
 from pdserve.kernels.reference.store_kv import store_kv_int8_ref, store_kv_ref
+from pdserve.kernels.reference.token_bitmask import apply_token_bitmask_ref
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ class KernelBackend:
     rms_norm = staticmethod(rms_norm_ref)
     rotary_embedding = staticmethod(rotary_embedding_ref)
     silu_and_mul = staticmethod(silu_and_mul_ref)
+    apply_token_bitmask = staticmethod(apply_token_bitmask_ref)  # structured outputs' mask
     gelu_tanh_and_mul = staticmethod(gelu_tanh_and_mul_ref)
     # int8 KV cache (kernels.kv_quant): the scale tensors follow the caches.
     store_kv_int8 = staticmethod(store_kv_int8_ref)

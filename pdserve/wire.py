@@ -80,7 +80,8 @@ def sampling_from_proto(msg: pdserve_pb2.SamplingParams, default_max_tokens: int
 
 # Optional scalars: unset takes SamplingParams' default.
 _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "skip_special_tokens",
-             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
+             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+             "prompt_logprobs")
 
 
 def _structured_from_proto(msg: pdserve_pb2.SamplingParams) -> StructuredOutputsParams | None:
@@ -96,9 +97,6 @@ def _structured_from_proto(msg: pdserve_pb2.SamplingParams) -> StructuredOutputs
 
 
 def sampling_to_proto(params: SamplingParams) -> pdserve_pb2.SamplingParams:
-    if params.prompt_logprobs is not None:  # the proto has no field for it: never drop it
-        raise ValueError("prompt_logprobs: not supported over gRPC (the served API returns no "
-                         "prompt logprobs); use the offline LLM for them")
     msg = pdserve_pb2.SamplingParams(
         max_tokens=params.max_tokens, stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
@@ -121,9 +119,10 @@ def sampling_to_proto(params: SamplingParams) -> pdserve_pb2.SamplingParams:
 def logprobs_to_proto(lp: TokenLogprobs) -> pdserve_pb2.TokenLogprob:
     return pdserve_pb2.TokenLogprob(
         token_id=lp.token_id, logprob=lp.logprob,
-        top=[pdserve_pb2.TopLogprob(token_id=t, logprob=p) for t, p in lp.top],
+        top=[pdserve_pb2.TopLogprob(token_id=t, logprob=p) for t, p in lp.top], rank=lp.rank,
     )
 
 
 def logprobs_from_proto(msg: pdserve_pb2.TokenLogprob) -> TokenLogprobs:
-    return TokenLogprobs(msg.token_id, msg.logprob, tuple((t.token_id, t.logprob) for t in msg.top))
+    return TokenLogprobs(msg.token_id, msg.logprob, tuple((t.token_id, t.logprob) for t in msg.top),
+                         msg.rank if msg.HasField("rank") else None)

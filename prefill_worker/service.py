@@ -80,6 +80,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             first_token_id=result.first_token, num_cached_tokens=result.num_cached_tokens,
             transfer_bytes=result.transfer_bytes, transfer_s=result.transfer_s,
             skipped_bytes=descriptor.skipped_nbytes(self.worker.layout),  # decode held them
+            prompt_logprobs=[logprobs_to_proto(lp) for lp in result.prompt_logprobs],
         )
         if result.logprobs is not None:
             response.logprob.CopyFrom(logprobs_to_proto(result.logprobs))

@@ -64,6 +64,7 @@ class PrefillResult:
     num_cached_tokens: int  # prompt tokens served from this worker's prefix cache
     transfer_bytes: int
     transfer_s: float  # first layer pushed -> every byte acknowledged
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # positions 1.., when asked
 
 
 class PrefillWorker:
@@ -190,6 +191,7 @@ class PrefillWorker:
         future.set_result(PrefillResult(
             out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None,
             max(out.num_cached_tokens, 0), out.kv_save.num_bytes, out.kv_save.seconds,
+            out.prompt_logprobs or (),
         ))
 
     def _publish_cache_events(self) -> None:

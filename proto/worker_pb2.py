@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.proto import pdserve_pb2 as pdserve_dot_proto_dot_pdserve__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/proto/worker.proto\x12\x11pdserve.worker.v1\x1a\x1bpdserve/proto/pdserve.proto\"4\n\x08\x45ndpoint\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"\x9b\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ndescriptor\x18\x04 \x01(\x0c\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\x05\"\xb2\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12)\n\x07logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12\x16\n\x0etransfer_bytes\x18\x04 \x01(\x03\x12\x12\n\ntransfer_s\x18\x05 \x01(\x01\x12\x15\n\rskipped_bytes\x18\x06 \x01(\x03\"\xda\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12,\n\x07sources\x18\x04 \x03(\x0b\x32\x1b.pdserve.worker.v1.Endpoint\x12\x10\n\x08\x64\x65\x61\x64line\x18\x05 \x01(\x01\x12\x11\n\trouter_id\x18\x06 \x01(\t\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\x05\"Q\n\x0fReserveResponse\x12\x0f\n\x07granted\x18\x01 \x01(\x08\x12\x12\n\ndescriptor\x18\x02 \x01(\x0c\x12\x19\n\x11num_cached_blocks\x18\x03 \x01(\x05\"e\n\x0cStartRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12)\n\x07logprob\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\x0f\n\rStartResponse\"\x99\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x11\n\trouter_id\x18\x04 \x01(\t\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\x05\"!\n\x0eSubmitResponse\x12\x0f\n\x07granted\x18\x01 \x01(\x08\"#\n\x0eOutputsRequest\x12\x11\n\trouter_id\x18\x01 \x01(\t\"\xb7\x01\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x05\">\n\x0bStepOutputs\x12/\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x1f.pdserve.worker.v1.RequestDelta\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13WorkerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xe8\x02\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x05\x12\x17\n\x0fnum_used_blocks\x18\x04 \x01(\x05\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\x12\x19\n\x11num_cached_blocks\x18\x07 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\x05\x12\x12\n\nblock_size\x18\t \x01(\x05\x12\x0f\n\x07tp_size\x18\n \x01(\x05\x12\x1e\n\x16num_spec_verifications\x18\x0b \x01(\x03\x12\x18\n\x10num_draft_tokens\x18\x0c \x01(\x03\x12\x1b\n\x13num_accepted_tokens\x18\r \x01(\x03\x12\x14\n\x0cquantization\x18\x0e \x01(\t\x12\x14\n\x0cweight_bytes\x18\x0f \x01(\x03\x32\x86\x02\n\rPrefillWorker\x12P\n\x07Prefill\x12!.pdserve.worker.v1.PrefillRequest\x1a\".pdserve.worker.v1.PrefillResponse\x12V\n\x05\x41\x62ort\x12%.pdserve.worker.v1.WorkerAbortRequest\x1a&.pdserve.worker.v1.WorkerAbortResponse\x12K\n\x07GetLoad\x12!.pdserve.worker.v1.GetLoadRequest\x1a\x1d.pdserve.worker.v1.WorkerLoad2\xf0\x03\n\x0c\x44\x65\x63odeWorker\x12P\n\x07Reserve\x12!.pdserve.worker.v1.ReserveRequest\x1a\".pdserve.worker.v1.ReserveResponse\x12J\n\x05Start\x12\x1f.pdserve.worker.v1.StartRequest\x1a .pdserve.worker.v1.StartResponse\x12M\n\x06Submit\x12 .pdserve.worker.v1.SubmitRequest\x1a!.pdserve.worker.v1.SubmitResponse\x12N\n\x07Outputs\x12!.pdserve.worker.v1.OutputsRequest\x1a\x1e.pdserve.worker.v1.StepOutputs0\x01\x12V\n\x05\x41\x62ort\x12%.pdserve.worker.v1.WorkerAbortRequest\x1a&.pdserve.worker.v1.WorkerAbortResponse\x12K\n\x07GetLoad\x12!.pdserve.worker.v1.GetLoadRequest\x1a\x1d.pdserve.worker.v1.WorkerLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/proto/worker.proto\x12\x11pdserve.worker.v1\x1a\x1bpdserve/proto/pdserve.proto\"4\n\x08\x45ndpoint\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"\x9b\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ndescriptor\x18\x04 \x01(\x0c\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\x05\"\xe5\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12)\n\x07logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12\x16\n\x0etransfer_bytes\x18\x04 \x01(\x03\x12\x12\n\ntransfer_s\x18\x05 \x01(\x01\x12\x15\n\rskipped_bytes\x18\x06 \x01(\x03\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\xda\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12,\n\x07sources\x18\x04 \x03(\x0b\x32\x1b.pdserve.worker.v1.Endpoint\x12\x10\n\x08\x64\x65\x61\x64line\x18\x05 \x01(\x01\x12\x11\n\trouter_id\x18\x06 \x01(\t\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\x05\"Q\n\x0fReserveResponse\x12\x0f\n\x07granted\x18\x01 \x01(\x08\x12\x12\n\ndescriptor\x18\x02 \x01(\x0c\x12\x19\n\x11num_cached_blocks\x18\x03 \x01(\x05\"e\n\x0cStartRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12)\n\x07logprob\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\x0f\n\rStartResponse\"\x99\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x11\n\trouter_id\x18\x04 \x01(\t\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\x05\"!\n\x0eSubmitResponse\x12\x0f\n\x07granted\x18\x01 \x01(\x08\"#\n\x0eOutputsRequest\x12\x11\n\trouter_id\x18\x01 \x01(\t\"\xea\x01\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x05\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\">\n\x0bStepOutputs\x12/\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x1f.pdserve.worker.v1.RequestDelta\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13WorkerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xe8\x02\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x05\x12\x17\n\x0fnum_used_blocks\x18\x04 \x01(\x05\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\x12\x19\n\x11num_cached_blocks\x18\x07 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\x05\x12\x12\n\nblock_size\x18\t \x01(\x05\x12\x0f\n\x07tp_size\x18\n \x01(\x05\x12\x1e\n\x16num_spec_verifications\x18\x0b \x01(\x03\x12\x18\n\x10num_draft_tokens\x18\x0c \x01(\x03\x12\x1b\n\x13num_accepted_tokens\x18\r \x01(\x03\x12\x14\n\x0cquantization\x18\x0e \x01(\t\x12\x14\n\x0cweight_bytes\x18\x0f \x01(\x03\x32\x86\x02\n\rPrefillWorker\x12P\n\x07Prefill\x12!.pdserve.worker.v1.PrefillRequest\x1a\".pdserve.worker.v1.PrefillResponse\x12V\n\x05\x41\x62ort\x12%.pdserve.worker.v1.WorkerAbortRequest\x1a&.pdserve.worker.v1.WorkerAbortResponse\x12K\n\x07GetLoad\x12!.pdserve.worker.v1.GetLoadRequest\x1a\x1d.pdserve.worker.v1.WorkerLoad2\xf0\x03\n\x0c\x44\x65\x63odeWorker\x12P\n\x07Reserve\x12!.pdserve.worker.v1.ReserveRequest\x1a\".pdserve.worker.v1.ReserveResponse\x12J\n\x05Start\x12\x1f.pdserve.worker.v1.StartRequest\x1a .pdserve.worker.v1.StartResponse\x12M\n\x06Submit\x12 .pdserve.worker.v1.SubmitRequest\x1a!.pdserve.worker.v1.SubmitResponse\x12N\n\x07Outputs\x12!.pdserve.worker.v1.OutputsRequest\x1a\x1e.pdserve.worker.v1.StepOutputs0\x01\x12V\n\x05\x41\x62ort\x12%.pdserve.worker.v1.WorkerAbortRequest\x1a&.pdserve.worker.v1.WorkerAbortResponse\x12K\n\x07GetLoad\x12!.pdserve.worker.v1.GetLoadRequest\x1a\x1d.pdserve.worker.v1.WorkerLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,35 +37,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=133
   _globals['_PREFILLREQUEST']._serialized_end=288
   _globals['_PREFILLRESPONSE']._serialized_start=291
-  _globals['_PREFILLRESPONSE']._serialized_end=469
-  _globals['_RESERVEREQUEST']._serialized_start=472
-  _globals['_RESERVEREQUEST']._serialized_end=690
-  _globals['_RESERVERESPONSE']._serialized_start=692
-  _globals['_RESERVERESPONSE']._serialized_end=773
-  _globals['_STARTREQUEST']._serialized_start=775
-  _globals['_STARTREQUEST']._serialized_end=876
-  _globals['_STARTRESPONSE']._serialized_start=878
-  _globals['_STARTRESPONSE']._serialized_end=893
-  _globals['_SUBMITREQUEST']._serialized_start=896
-  _globals['_SUBMITREQUEST']._serialized_end=1049
-  _globals['_SUBMITRESPONSE']._serialized_start=1051
-  _globals['_SUBMITRESPONSE']._serialized_end=1084
-  _globals['_OUTPUTSREQUEST']._serialized_start=1086
-  _globals['_OUTPUTSREQUEST']._serialized_end=1121
-  _globals['_REQUESTDELTA']._serialized_start=1124
-  _globals['_REQUESTDELTA']._serialized_end=1307
-  _globals['_STEPOUTPUTS']._serialized_start=1309
-  _globals['_STEPOUTPUTS']._serialized_end=1371
-  _globals['_WORKERABORTREQUEST']._serialized_start=1373
-  _globals['_WORKERABORTREQUEST']._serialized_end=1413
-  _globals['_WORKERABORTRESPONSE']._serialized_start=1415
-  _globals['_WORKERABORTRESPONSE']._serialized_end=1451
-  _globals['_GETLOADREQUEST']._serialized_start=1453
-  _globals['_GETLOADREQUEST']._serialized_end=1469
-  _globals['_WORKERLOAD']._serialized_start=1472
-  _globals['_WORKERLOAD']._serialized_end=1832
-  _globals['_PREFILLWORKER']._serialized_start=1835
-  _globals['_PREFILLWORKER']._serialized_end=2097
-  _globals['_DECODEWORKER']._serialized_start=2100
-  _globals['_DECODEWORKER']._serialized_end=2596
+  _globals['_PREFILLRESPONSE']._serialized_end=520
+  _globals['_RESERVEREQUEST']._serialized_start=523
+  _globals['_RESERVEREQUEST']._serialized_end=741
+  _globals['_RESERVERESPONSE']._serialized_start=743
+  _globals['_RESERVERESPONSE']._serialized_end=824
+  _globals['_STARTREQUEST']._serialized_start=826
+  _globals['_STARTREQUEST']._serialized_end=927
+  _globals['_STARTRESPONSE']._serialized_start=929
+  _globals['_STARTRESPONSE']._serialized_end=944
+  _globals['_SUBMITREQUEST']._serialized_start=947
+  _globals['_SUBMITREQUEST']._serialized_end=1100
+  _globals['_SUBMITRESPONSE']._serialized_start=1102
+  _globals['_SUBMITRESPONSE']._serialized_end=1135
+  _globals['_OUTPUTSREQUEST']._serialized_start=1137
+  _globals['_OUTPUTSREQUEST']._serialized_end=1172
+  _globals['_REQUESTDELTA']._serialized_start=1175
+  _globals['_REQUESTDELTA']._serialized_end=1409
+  _globals['_STEPOUTPUTS']._serialized_start=1411
+  _globals['_STEPOUTPUTS']._serialized_end=1473
+  _globals['_WORKERABORTREQUEST']._serialized_start=1475
+  _globals['_WORKERABORTREQUEST']._serialized_end=1515
+  _globals['_WORKERABORTRESPONSE']._serialized_start=1517
+  _globals['_WORKERABORTRESPONSE']._serialized_end=1553
+  _globals['_GETLOADREQUEST']._serialized_start=1555
+  _globals['_GETLOADREQUEST']._serialized_end=1571
+  _globals['_WORKERLOAD']._serialized_start=1574
+  _globals['_WORKERLOAD']._serialized_end=1934
+  _globals['_PREFILLWORKER']._serialized_start=1937
+  _globals['_PREFILLWORKER']._serialized_end=2199
+  _globals['_DECODEWORKER']._serialized_start=2202
+  _globals['_DECODEWORKER']._serialized_end=2698
 # @@protoc_insertion_point(module_scope)

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import grpc
 
 from pdserve.engine.block_hash import hash_blocks
-from pdserve.proto import worker_pb2
+from pdserve.proto import pdserve_pb2, worker_pb2
 from pdserve.router.config import RouterConfig
 from pdserve.router.decode_client import DecodeClient
 from pdserve.router.flight import Flight, Placement, new_worker_request_id
@@ -169,8 +169,11 @@ class Placer:
             raise
         _check(flight)
         wall_deadline = time.time() + max(deadline - time.monotonic(), 0.0)
+        decode_sampling = pdserve_pb2.SamplingParams()
+        decode_sampling.CopyFrom(sampling)
+        decode_sampling.ClearField("prompt_logprobs")  # the prefill worker computes those
         reply = await decode.reserve(worker_pb2.ReserveRequest(
-            request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+            request_id=rid, prompt_token_ids=prompt, sampling=decode_sampling,
             sources=[prefill.source], deadline=wall_deadline,
             num_output_tokens=req.num_output_tokens))
         _check(flight)

@@ -79,6 +79,8 @@ class ResponseStream:
             token_ids, logprobs, end = _gather(items, skip, want_logprobs)
             skip = 0
             message, stop = self._message(token_ids, logprobs)
+            message.prompt_logprobs.extend(lp for item in items if not isinstance(item, Lost)
+                                           for lp in item.prompt_logprobs)
             finished = not (end is None or isinstance(end, Lost) or end.finish_reason == "error")
             if first_placement and prefill is None and (finished or end is None):
                 # the decode worker's own prefix-cache hit, on every delta it sends
@@ -106,7 +108,9 @@ class ResponseStream:
             self.num_cached_tokens = prefill.num_cached_tokens
         want_logprobs = self.req.params.logprobs is not None
         logprobs = [prefill.logprob] if want_logprobs and prefill.HasField("logprob") else []
-        return self._message([prefill.first_token_id], logprobs)
+        message, stop = self._message([prefill.first_token_id], logprobs)
+        message.prompt_logprobs.extend(prefill.prompt_logprobs)
+        return message, stop
 
     def _message(self, token_ids: list[int],
                  logprobs: list) -> tuple[pdserve_pb2.GenerateResponse, str | None]:

@@ -16,8 +16,8 @@ a malformed call stays content, which a stream could not take back once sent. Bo
 the same scanner, so a stream reassembles to the whole parse (the tests check it over random
 splits).
 
-One file past ~400 lines: the request checks, the forced grammar and the reply parsers are the
-one concept of tool calling, and they share the call shapes.
+Why one file: the request checks, the forced grammar and the reply parsers are the one
+concept of tool calling, and they share the call shapes.
 """
 
 from __future__ import annotations

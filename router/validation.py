@@ -103,7 +103,10 @@ class ValidRequest:
                              f"generated tokens, got {num_done}")
         return replace(self, prompt_token_ids=self.prompt_token_ids + tuple(output_token_ids),
                        params=replace(self.params, max_tokens=self.params.max_tokens - num_done,
-                                      min_tokens=max(self.params.min_tokens - num_done, 0)),
+                                      min_tokens=max(self.params.min_tokens - num_done, 0),
+                                      # sent with the first token
+                                      prompt_logprobs=self.params.prompt_logprobs
+                                      if num_done == 0 else None),
                        num_output_tokens=self.num_output_tokens + num_done)
 
 

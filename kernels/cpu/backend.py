@@ -24,16 +24,17 @@ from pdserve.kernels.cpu.rms_norm import rms_norm_cpu
 from pdserve.kernels.cpu.rotary_embedding import rotary_embedding_cpu
 from pdserve.kernels.cpu.silu_and_mul import silu_and_mul_cpu
 from pdserve.kernels.cpu.store_kv import store_kv_cpu
+from pdserve.kernels.cpu.token_bitmask import apply_token_bitmask_cpu
 from pdserve.kernels.quant_weights import QuantizedWeight
 from pdserve.kernels.reference.linear import DenseLinear
 
 
 class CpuBackend(KernelBackend):
-    """Decode and prefill attention reading K/V in place, RMSNorm, RoPE, SiLU * up and the K/V
-    store in C; bf16 linears packed for `linear_bf16.c` (or oneDNN) in huge pages, quantized
-    ones for torch's int4/int8 CPU ops; a bf16 layer's step and a bf16 MoE layer's experts
-    each as one C call. int8 caches and the KV transfer's block copies run the references
-    (memcpy-bound on a CPU)."""
+    """Decode and prefill attention reading K/V in place, RMSNorm, RoPE, SiLU * up, the K/V
+    store and the structured-output token mask in C; bf16 linears packed for `linear_bf16.c`
+    (or oneDNN) in huge pages, quantized ones for torch's int4/int8 CPU ops; a bf16 layer's
+    step and a bf16 MoE layer's experts each as one C call. int8 caches and the KV transfer's
+    block copies run the references (memcpy-bound on a CPU)."""
 
     name = "cpu"
     store_kv = staticmethod(store_kv_cpu)
@@ -42,6 +43,7 @@ class CpuBackend(KernelBackend):
     rms_norm = staticmethod(rms_norm_cpu)
     rotary_embedding = staticmethod(rotary_embedding_cpu)
     silu_and_mul = staticmethod(silu_and_mul_cpu)
+    apply_token_bitmask = staticmethod(apply_token_bitmask_cpu)
     decoder_layers = CpuDecoderLayers
 
     @staticmethod

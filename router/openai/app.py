@@ -108,7 +108,8 @@ class OpenAIApp:
             return JSONResponse(error_body(status, exc), status_code=status)
         timeout = min(parsed.timeout_s or self.max_timeout_s, self.max_timeout_s)
         answer = Choices(parsed, self.router.model.name, self.texts,
-                         self.router.model.tool_call_parser)
+                         self.router.model.tool_call_parser,
+                         [v.prompt_token_ids for v in valid[::parsed.n]])
         return GenerationResponse(
             parsed, lambda: [self.router.generate(v, received) for v in valid], answer,
             timeout, self.router.metrics.count_request)

@@ -189,17 +189,19 @@ async def _events(send: Send, chunks: list[dict[str, Any] | str]) -> None:
 
 
 def merge(messages: list[pdserve_pb2.GenerateResponse]) -> pdserve_pb2.GenerateResponse:
-    """Consecutive messages of one choice as one: text, tokens and logprobs joined; finish,
-    usage and timings of the last (only a last message carries them)."""
+    """Consecutive messages of one choice as one: text, tokens and logprobs joined (and the
+    first's prompt logprobs); finish, usage and timings of the last (only a last message
+    carries them)."""
     if len(messages) == 1:
         return messages[0]
     merged = pdserve_pb2.GenerateResponse()
     merged.CopyFrom(messages[-1])
     merged.text = "".join(m.text for m in messages)
-    del merged.token_ids[:], merged.logprobs[:]
+    del merged.token_ids[:], merged.logprobs[:], merged.prompt_logprobs[:]
     for m in messages:
         merged.token_ids.extend(m.token_ids)
         merged.logprobs.extend(m.logprobs)
+        merged.prompt_logprobs.extend(m.prompt_logprobs)
     return merged
 
 

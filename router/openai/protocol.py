@@ -29,8 +29,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/comp
 INT32_MAX = 2**31 - 1
 # Parameters pdserve does not implement: refused when they would change the answer, rather
 # than silently ignored. Value: what "not set" looks like.
-UNSUPPORTED = {"suffix": None, "functions": None, "function_call": None, "best_of": None,
-               "echo": False, "prompt_logprobs": None}
+UNSUPPORTED = {"suffix": None, "functions": None, "function_call": None, "best_of": None}
 
 
 @dataclass(frozen=True)
@@ -50,6 +49,8 @@ class OpenAIRequest:
     timeout_s: float | None
     structured_param: str = "structured_outputs"  # or response_format: what the client sent
     tools: ToolRequest | None = None  # chat: its replies are read for tool calls
+    echo: bool = False  # completions: the prompt leads each choice's text (and logprobs)
+    prompt_logprobs: int | None = None  # vLLM's: each choice carries its prompt's
 
 
 def parse_chat(body: Any, session_header: str = "") -> OpenAIRequest:
@@ -87,6 +88,9 @@ def parse_completion(body: Any, session_header: str = "") -> OpenAIRequest:
         raise BadParameter("prompt", "prompt: required")
     logprobs = _int(body, "logprobs", 0, 20)
     sampling = _sampling(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS, logprobs)
+    echo = bool(_get(body, "echo", bool))
+    if echo and logprobs is not None:  # the echoed prompt's tokens come with theirs
+        sampling.prompt_logprobs = max(sampling.prompt_logprobs, logprobs)
     bases = []
     for prompt in _prompts(body["prompt"]):
         base = pdserve_pb2.GenerateRequest(sampling=sampling)
@@ -95,7 +99,12 @@ def parse_completion(body: Any, session_header: str = "") -> OpenAIRequest:
         else:
             base.prompt_token_ids.extend(prompt)
         bases.append(base)
-    return _request(body, False, bases, logprobs, "max_tokens", "prompt", session_header)
+    return replace(_request(body, False, bases, logprobs, "max_tokens", "prompt",
+                            session_header), echo=echo)
+
+
+def _asked_prompt_logprobs(body: Mapping[str, Any]) -> int | None:
+    return _int(body, "prompt_logprobs", 0, 20)
 
 
 def _request(body: Mapping[str, Any], chat: bool, bases: list[pdserve_pb2.GenerateRequest],
@@ -116,12 +125,14 @@ def _request(body: Mapping[str, Any], chat: bool, bases: list[pdserve_pb2.Genera
     timeout = _get(body, "timeout", (int, float))
     if timeout is not None and not timeout > 0:
         raise BadParameter("timeout", f"timeout must be > 0 seconds, got {timeout}")
+    prompt_logprobs = _asked_prompt_logprobs(body)
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     for p, base in enumerate(bases):
         base.request_id, base.model, base.session_id = f"{response_id}-{p}", model, session
     return OpenAIRequest(chat, response_id, model, tuple(bases), n, stream, include_usage,
                          logprobs, max_param, prompt_param, timeout,
-                         "response_format" if "response_format" in body else "structured_outputs")
+                         "response_format" if "response_format" in body else "structured_outputs",
+                         prompt_logprobs=prompt_logprobs)
 
 
 def choices(valid: ValidRequest, n: int) -> list[ValidRequest]:
@@ -167,6 +178,9 @@ def _sampling(body: Mapping[str, Any], max_param: str, default_max: int | None,
         value = _get(body, name, (int, float))
         if value is not None:
             setattr(msg, name, value)
+    prompt_logprobs = _asked_prompt_logprobs(body)
+    if prompt_logprobs is not None:
+        msg.prompt_logprobs = prompt_logprobs
     min_tokens = _int(body, "min_tokens", 0, INT32_MAX)
     if min_tokens is not None:
         msg.min_tokens = min_tokens

@@ -49,15 +49,22 @@ class _Choice:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # the router read them
     content: str | None = None  # the text outside the calls, when there are calls
     reader: ToolParser | NamedToolStream | None = None  # a streamed chat with tools
+    started: bool = False  # its first message is in
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's, when asked
+    echoed: tuple[int, ...] | None = None  # echo: prompt tokens whose logprobs lead the next
+    echo_entries: list[pdserve_pb2.TokenLogprob] = field(default_factory=list)
     completion_logprobs: dict[str, list] = field(default_factory=lambda: {
         "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
 
 
 class Choices:
     def __init__(self, request: OpenAIRequest, model: str, texts: TokenTexts,
-                 tool_call_parser: str = "hermes") -> None:
+                 tool_call_parser: str = "hermes",
+                 prompt_token_ids: list[tuple[int, ...]] | None = None) -> None:
+        """`prompt_token_ids`: each prompt's, as validated (echo and prompt logprobs)."""
         self.request, self.model, self.texts = request, model, texts
         self.tool_call_parser = tool_call_parser
+        self.prompt_token_ids = prompt_token_ids or []
         self.created = int(time.time())
         self.choices = [_Choice() for _ in range(len(request.requests) * request.n)]
         self._templates: dict[int, tuple[str, str]] = {}  # add_json's, per choice
@@ -66,6 +73,7 @@ class Choices:
 
     def add(self, index: int, message: pdserve_pb2.GenerateResponse) -> dict[str, Any] | None:
         """Record a message of choice `index`; the stream chunk for it (None: nothing new)."""
+        self._open(index, message)
         new_logprobs = self._record(index, message)
         if not (message.text or message.token_ids or message.finish_reason):
             return None
@@ -76,6 +84,7 @@ class Choices:
         """A chat with tools: the message's text through the choice's tool-call reader, as
         OpenAI streams calls (`delta.tool_calls`), the finish in a chunk of its own."""
         choice = self.choices[index]
+        self._open(index, message)
         self._record(index, message)
         if choice.reader is None:
             choice.reader = reply_stream(self.request.tools, self.tool_call_parser)
@@ -93,7 +102,8 @@ class Choices:
         """`add`, with the chunk as the JSON text a stream sends. A plain text delta (no
         logprobs, not the last: nearly every chunk) comes from a template of that same chunk,
         not through a dict and a whole json.dumps: the per-token cost of the HTTP front."""
-        if self.request.logprobs is not None or message.finish_reason:
+        if (self.request.logprobs is not None or message.finish_reason
+                or not self.choices[index].started):
             chunk = self.add(index, message)
             return None if chunk is None else dumps(chunk)
         self._record(index, message)
@@ -107,6 +117,35 @@ class Choices:
             head, tail = dumps(self._chunk([entry])).rsplit(dumps(_MARK), 1)
             template = self._templates[index] = (head, tail)
         return dumps(message.text).join(template)
+
+    def _open(self, index: int, message: pdserve_pb2.GenerateResponse) -> None:
+        """A choice's first message: its prompt logprobs when asked and, with echo, the
+        prompt ahead of its text (and of its logprobs)."""
+        choice = self.choices[index]
+        if choice.started:
+            return
+        choice.started = True
+        asked = self.request.prompt_logprobs
+        if asked is not None:
+            choice.prompt_logprobs = [None] + [self._prompt_entry(lp, asked)
+                                               for lp in message.prompt_logprobs]
+        if not self.request.echo:
+            return
+        base = self.request.requests[index // self.request.n]
+        prompt_ids = self.prompt_token_ids[index // self.request.n]
+        message.text = (base.prompt if base.HasField("prompt")
+                        else self.texts.tokenizer.decode(prompt_ids)) + message.text
+        choice.echoed, choice.echo_entries = prompt_ids, list(message.prompt_logprobs)
+
+    def _prompt_entry(self, lp: pdserve_pb2.TokenLogprob, n: int) -> dict[str, Any]:
+        """vLLM's prompt logprobs at one position: the prompt token with its rank, then the
+        top n best first (a prompt token among them takes its place and rank there)."""
+        entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank,
+                                    "decoded_token": self.texts(lp.token_id)}}
+        for rank, top in enumerate(lp.top[:n], 1):
+            entry[str(top.token_id)] = {"logprob": top.logprob, "rank": rank,
+                                        "decoded_token": self.texts(top.token_id)}
+        return entry
 
     def _record(self, index: int, message: pdserve_pb2.GenerateResponse) -> Any:
         """A message of choice `index` into its text, counts and end; its new logprobs."""
@@ -154,9 +193,14 @@ class Choices:
                 entry["text"] = c.text
                 entry["logprobs"] = (c.completion_logprobs
                                      if self.request.logprobs is not None else None)
+            if c.prompt_logprobs is not None and not self.request.chat:
+                entry["prompt_logprobs"] = c.prompt_logprobs
             choices.append(entry)
-        return {"id": self.request.response_id, "object": kind, "created": self.created,
-                "model": self.model, "choices": choices, "usage": self.usage()}
+        out = {"id": self.request.response_id, "object": kind, "created": self.created,
+               "model": self.model, "choices": choices, "usage": self.usage()}
+        if self.request.chat and self.choices[0].prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.choices[0].prompt_logprobs  # vLLM's place for chat
+        return out
 
     def usage(self) -> dict[str, Any]:
         n = self.request.n
@@ -185,6 +229,9 @@ class Choices:
         else:
             entry["text"] = message.text
         entry["logprobs"] = logprobs
+        choice = self.choices[index]
+        if choice.prompt_logprobs is not None and not choice.num_tokens - len(message.token_ids):
+            entry["prompt_logprobs"] = choice.prompt_logprobs  # on the choice's first chunk
         return entry
 
     def _logprobs(self, choice: _Choice, message: pdserve_pb2.GenerateResponse,
@@ -196,6 +243,18 @@ class Choices:
             choice.logprobs.extend(entries)
             return {"content": entries}
         new = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        if choice.echoed is not None:  # the echoed prompt's tokens first; the first has none
+            for position, token_id in enumerate(choice.echoed):
+                token = self.texts(token_id)
+                lp = choice.echo_entries[position - 1] if position else None
+                new["tokens"].append(token)
+                new["token_logprobs"].append(lp.logprob if lp else None)
+                new["top_logprobs"].append({self.texts(t.token_id): t.logprob
+                                            for t in lp.top[:self.request.logprobs]}
+                                           if lp else None)
+                new["text_offset"].append(offset)
+                offset += len(token)
+            choice.echoed = None
         for lp in message.logprobs:
             token = self.texts(lp.token_id)
             new["tokens"].append(token)

@@ -8,11 +8,13 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import httpx
 import openai
 import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.metrics_text import sample_value
 from pdserve.router.openai.app import OpenAIApp
 from pdserve.router.openai.server import HTTPServer
@@ -150,6 +152,41 @@ def test_logprobs(client, model, offline) -> None:
     assert "".join(e.token for e in content) == chat.choices[0].message.content
 
 
+def test_echo_and_prompt_logprobs_match_the_offline_api(client, model, offline, service):
+    """Prompt logprobs computed by the prefill worker (or a local prefill) equal the offline
+    engine's; echo puts the prompt and its tokens' logprobs ahead of the completion."""
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=2, prompt_logprobs=3,
+                            ignore_eos=True)
+    (want,) = offline.generate([PROMPT], params)
+    got = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0,
+                                    logprobs=2, echo=True,
+                                    extra_body={"ignore_eos": True, "prompt_logprobs": 3})
+    choice = got.choices[0]
+    assert choice.text == PROMPT + want.text
+    prompt = choice.model_extra["prompt_logprobs"]
+    assert prompt[0] is None and len(prompt) == len(want.prompt_token_ids)
+    for position, expected in zip(prompt[1:], want.prompt_logprobs[1:]):
+        assert [int(t) for t in position] == list(expected)  # the prompt token, then the top 3
+        for token_id, entry in position.items():
+            e = expected[int(token_id)]
+            assert (entry["rank"], entry["decoded_token"]) == (e.rank, e.decoded_token)
+            assert entry["logprob"] == pytest.approx(e.logprob, abs=1e-4)
+    lp = choice.logprobs
+    n = len(want.prompt_token_ids)
+    assert len(lp.tokens) == n + 4 and lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == pytest.approx(
+        [p[t].logprob for p, t in zip(want.prompt_logprobs[1:], want.prompt_token_ids[1:])],
+        abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n + 4)]
+    sampling = pdserve_pb2.SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0)
+    with grpc.insecure_channel(service.address) as channel:
+        first = next(iter(pdserve_pb2_grpc.InferenceStub(channel).Generate(
+            pdserve_pb2.GenerateRequest(prompt=PROMPT, sampling=sampling), timeout=60)))
+    assert [lp.token_id for lp in first.prompt_logprobs] == want.prompt_token_ids[1:]
+    assert [lp.rank for lp in first.prompt_logprobs] == [
+        p[t].rank for p, t in zip(want.prompt_logprobs[1:], want.prompt_token_ids[1:])]
+
+
 @pytest.mark.parametrize(("endpoint", "body", "param"), [
     ("completions", {"prompt": PROMPT, "temperature": -1}, "temperature"),
     ("completions", {"prompt": PROMPT, "top_p": 2}, "top_p"),
@@ -162,7 +199,8 @@ def test_logprobs(client, model, offline) -> None:
     ("completions", {"prompt": PROMPT, "seed": -3}, "seed"),
     ("completions", {"prompt": PROMPT, "stop": 5}, "stop"),
     ("completions", {"prompt": PROMPT, "stop_token_ids": [10**8]}, "stop_token_ids"),
-    ("completions", {"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty"),
+    ("completions", {"prompt": PROMPT, "presence_penalty": 5}, "presence_penalty"),
+    ("completions", {"prompt": PROMPT, "suffix": "x"}, "suffix"),
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {"prompt": [10**8]}, "prompt"),
     ("completions", {}, "prompt"),

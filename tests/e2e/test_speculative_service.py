@@ -3,7 +3,8 @@
 PD: 1 prefill worker and a TP-2 decode group whose rank 0 runs the tiny model as its own
 draft (every draft holds, so every decode step verifies a run), with remote prefill forced,
 so the decode side speculates on KV that came from the prefill worker. Colocated: two workers
-with n-gram lookup. Greedy and seeded output equal the offline engine's without speculation;
+with n-gram lookup. Greedy and seeded output, under a grammar and penalties too, equal the
+offline engine's without speculation;
 streams cancelled mid-run leave no block held on any worker.
 """
 
@@ -17,11 +18,19 @@ import pytest
 
 from pdserve.client import Client
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured_outputs_params import StructuredOutputsParams
 from tests.e2e.harness import running, stats, tiny_settings, wait_until
 from tests.integration.test_speculative import repetitive_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.8, max_tokens=32, seed=5, ignore_eos=True)
+# drafts checked against a grammar (a looping JSON array) and counted by the penalties
+CONSTRAINED = SamplingParams(
+    temperature=0.8, max_tokens=32, seed=6, ignore_eos=True, structured_outputs=(
+        StructuredOutputsParams(json='{"type": "array", "items": {"enum": [1, 22, 333]}, '
+                                     '"minItems": 30}')))
+PENALIZED = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, presence_penalty=0.5,
+                           frequency_penalty=0.5, repetition_penalty=1.3, logit_bias={11: 2.0})
 
 
 def spec_json(tiny_llama_dir, mode: str) -> str:
@@ -51,7 +60,7 @@ def counters(address: str) -> tuple[int, int, int]:
 
 def test_outputs_equal_the_offline_engine_without_speculation(service, offline):
     prompts = repetitive_prompts(21, 8)
-    params = [GREEDY, SEEDED] * 4
+    params = [GREEDY, SEEDED, CONSTRAINED, PENALIZED] * 2
     expected = [list(o.token_ids) for o in offline.generate(prompts, params)]
     before = counters(service.address)
     with Client(service.address, timeout=120) as client, ThreadPoolExecutor(8) as pool:

@@ -24,6 +24,7 @@ import pytest
 
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured_outputs_params import StructuredOutputsParams
 from pdserve.proto import pdserve_pb2, worker_pb2
 from pdserve.router.router import Router
 from pdserve.router.validation import ValidRequest
@@ -47,6 +48,12 @@ MAX_TOKENS = 200  # long enough that the failure lands mid-stream (a step takes 
 PARAMS = {
     "greedy": SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
     "seeded": SamplingParams(temperature=0.8, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True),
+    # a grammar (an array too long to end within MAX_TOKENS) and penalties: the new decode
+    # worker replays the streamed tokens into the matcher and the counts
+    "constrained": SamplingParams(
+        temperature=0.8, seed=6, max_tokens=MAX_TOKENS, ignore_eos=True, presence_penalty=0.3,
+        repetition_penalty=1.2, structured_outputs=StructuredOutputsParams(
+            json='{"type": "array", "items": {"type": "integer"}, "minItems": 150}')),
 }
 DECODES = ("decode-0", "decode-1")
 SETTLE_S = 10.0  # spawned aborts and the load polls, on 2 shared cores
@@ -164,8 +171,9 @@ def failure(kind: str, router: Router, services: Services) -> Callable[[str], No
     return loop_dies
 
 
-@pytest.mark.parametrize("sampled", PARAMS)
-@pytest.mark.parametrize("how", ["killed", "marked-down", "loop-dies"])
+@pytest.mark.parametrize(("how", "sampled"), [
+    (how, sampled) for how in ("killed", "marked-down", "loop-dies")
+    for sampled in ("greedy", "seeded")] + [("killed", "constrained")])
 def test_the_stream_continues_on_the_other_decode_worker(model, services, undisturbed, how,
                                                          sampled) -> None:
     async def main():

@@ -10,6 +10,8 @@ import torch
 
 from pdserve.engine.logits_processors import LogitsRow, apply_logits_processors
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured_outputs_params import StructuredOutputsParams
+from pdserve.wire import sampling_from_proto, sampling_to_proto
 
 VOCAB = 50
 
@@ -98,3 +100,15 @@ def test_sampling_params_check_the_new_fields_by_name():
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kwargs)
     assert SamplingParams(logit_bias={"7": 1}).logit_bias == ((7, 1.0),)
+
+
+@pytest.mark.parametrize("spec", [
+    {"json": '{"type": "object"}'}, {"regex": "a+"}, {"choice": ["x", "y"]},
+    {"grammar": 'root ::= "a"'}, {"json_object": True}])
+def test_the_controls_cross_the_wire_unchanged(spec):
+    params = SamplingParams(max_tokens=9, presence_penalty=0.5, frequency_penalty=-0.25,
+                            repetition_penalty=1.1, logit_bias={3: -2.0, 7: 100.0},
+                            min_tokens=2, bad_words_token_ids=((1, 2), (3,)),
+                            structured_outputs=StructuredOutputsParams(**spec))
+    assert sampling_from_proto(sampling_to_proto(params), default_max_tokens=1) == params
+    assert sampling_from_proto(sampling_to_proto(SamplingParams()), 16) == SamplingParams()

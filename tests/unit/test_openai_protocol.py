@@ -92,8 +92,9 @@ def test_chat_content_parts_and_logprobs() -> None:
     ({"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}},
      "structured_outputs"),
     ({"prompt": "x", "structured_outputs": {"choice": "b"}}, "structured_outputs"),
-    ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),  # vLLM's extra: not served
+    ({"prompt": "x", "echo": "yes"}, "echo"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": [-5]}, "prompt"),

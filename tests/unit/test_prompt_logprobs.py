@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import random
 
-import pytest
-
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.outputs import Logprob
@@ -28,7 +26,12 @@ from pdserve.engine.scheduler_output import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from pdserve.wire import sampling_to_proto
+from pdserve.wire import (
+    logprobs_from_proto,
+    logprobs_to_proto,
+    sampling_from_proto,
+    sampling_to_proto,
+)
 from tests.unit.test_scheduler import EOS, VOCAB, FakeRunner
 
 
@@ -162,7 +165,10 @@ def test_plan_codec_carries_the_task() -> None:
     assert decode_plan(json.loads(json.dumps(encode_plan(plan)))) == plan
 
 
-def test_grpc_cannot_carry_prompt_logprobs() -> None:
-    with pytest.raises(ValueError, match="prompt_logprobs"):
-        sampling_to_proto(SamplingParams(prompt_logprobs=1))
-    assert sampling_to_proto(SamplingParams(logprobs=1)).logprobs == 1
+def test_grpc_carries_prompt_logprobs_and_their_rank() -> None:
+    params = SamplingParams(prompt_logprobs=3, logprobs=1)
+    assert sampling_from_proto(sampling_to_proto(params), default_max_tokens=16) == params
+    assert not sampling_to_proto(SamplingParams()).HasField("prompt_logprobs")
+    lp = TokenLogprobs(5, -1.5, ((5, -1.5), (9, -2.0)), rank=1)
+    assert logprobs_from_proto(logprobs_to_proto(lp)) == lp
+    assert logprobs_from_proto(logprobs_to_proto(TokenLogprobs(5, -1.5))).rank is None
