@@ -32,6 +32,7 @@ from pdserve.kernels.triton.quant_linear import QuantLinear, supported
 from pdserve.kernels.triton.rms_norm import rms_norm
 from pdserve.kernels.triton.rotary_embedding import rotary_embedding
 from pdserve.kernels.triton.store_kv import store_kv, store_kv_int8
+from pdserve.kernels.triton.token_bitmask import apply_token_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class TritonBackend(KernelBackend):
     paged_prefill_attention_int8 = staticmethod(paged_prefill_attention_int8)
     pack_blocks = staticmethod(pack_blocks)
     unpack_blocks = staticmethod(unpack_blocks)
+    apply_token_bitmask = staticmethod(apply_token_bitmask)
 
     def refuses(self, device: torch.device) -> str | None:
         if device.type != "cuda" and not interpreting():

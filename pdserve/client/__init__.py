@@ -21,6 +21,7 @@ from pdserve.client.messages import (
     Completion,
     GenerateChunk,
     Timings,
+    ToolCall,
     Usage,
     build_request,
     chunk_from_proto,
@@ -31,5 +32,5 @@ from pdserve.client.sync import Client
 
 __all__ = [
     "AsyncClient", "Client", "ClientTLS", "Completion", "GenerateChunk", "PdserveError",
-    "Timings", "Usage", "build_request", "chunk_from_proto", "collect",
+    "Timings", "ToolCall", "Usage", "build_request", "chunk_from_proto", "collect",
 ]

@@ -6,6 +6,7 @@ GenerateResponse into a `GenerateChunk`; `collect` joins a stream's chunks into 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -30,10 +31,19 @@ class Timings:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+@dataclass(frozen=True)
 class GenerateChunk:
     """One streamed message: the new text and tokens since the previous chunk.
 
-    finish_reason ("stop" | "length" | "abort"), usage and timings come on the last chunk only.
+    finish_reason ("stop" | "length" | "abort" | "tool_calls"), usage, timings, and the tool
+    calls read from the reply (with `content`, the text outside them) come on the last chunk
+    only; prompt logprobs (when asked) on the first.
     """
 
     request_id: str
@@ -44,6 +54,9 @@ class GenerateChunk:
     stop_reason: str | None = None
     usage: Usage | None = None
     timings: Timings | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()
+    content: str | None = None
 
 
 @dataclass(frozen=True)
@@ -58,14 +71,21 @@ class Completion:
     stop_reason: str | None
     usage: Usage | None
     timings: Timings | None
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # positions 1.., when asked
+    tool_calls: tuple[ToolCall, ...] = ()
+    content: str | None = None  # with tool calls: the text outside them
 
 
 def build_request(
     prompt: str | Sequence[int] | None = None, *, messages: Sequence[dict] | None = None,
     sampling: SamplingParams | None = None, session_id: str = "", request_id: str = "",
-    model: str = "",
+    model: str = "", tools: Sequence[dict] | None = None, tool_choice: str | None = None,
 ) -> pdserve_pb2.GenerateRequest:
-    """The GenerateRequest; with `sampling` None no sampling field is sent (server defaults)."""
+    """The GenerateRequest; with `sampling` None no sampling field is sent (server defaults).
+
+    `messages` are OpenAI's chat messages (an assistant turn's `tool_calls`, a tool turn's
+    `tool_call_id` included); `tools` OpenAI's function tools; `tool_choice` "none", "auto",
+    "required" or a function's name."""
     if (prompt is None) == (messages is None):
         raise ValueError("pass exactly one of prompt (text or token ids) and messages")
     request = pdserve_pb2.GenerateRequest(request_id=request_id, session_id=session_id,
@@ -76,7 +96,20 @@ def build_request(
         request.prompt_token_ids.extend(int(t) for t in prompt)
     else:
         for m in messages:  # type: ignore[union-attr]
-            request.messages.add(role=m["role"], content=m["content"])
+            message = request.messages.add(role=m["role"], content=m.get("content") or "",
+                                           tool_call_id=m.get("tool_call_id") or "",
+                                           name=m.get("name") or "")
+            for call in m.get("tool_calls") or ():
+                message.tool_calls.add(id=call.get("id", ""), name=call["function"]["name"],
+                                       arguments=call["function"].get("arguments", ""))
+    for tool in tools or ():
+        function = tool["function"]
+        request.tools.add(name=function["name"], description=function.get("description", ""),
+                          parameters=json.dumps(function.get("parameters", {})))
+    if tool_choice in ("none", "auto", "required"):
+        setattr(request.tool_choice, tool_choice, True)
+    elif tool_choice is not None:
+        request.tool_choice.function = tool_choice
     if sampling is not None:
         request.sampling.CopyFrom(sampling_to_proto(sampling))
     return request
@@ -95,6 +128,9 @@ def chunk_from_proto(msg: pdserve_pb2.GenerateResponse) -> GenerateChunk:
         logprobs=tuple(logprobs_from_proto(lp) for lp in msg.logprobs),
         finish_reason=msg.finish_reason or None, stop_reason=msg.stop_reason or None,
         usage=usage, timings=timings,
+        prompt_logprobs=tuple(logprobs_from_proto(lp) for lp in msg.prompt_logprobs),
+        tool_calls=tuple(ToolCall(c.id, c.name, c.arguments) for c in msg.tool_calls),
+        content=msg.content or None,
     )
 
 
@@ -108,4 +144,6 @@ def collect(chunks: Iterable[GenerateChunk]) -> Completion:
         logprobs=tuple(lp for c in chunks for lp in c.logprobs),
         finish_reason=last.finish_reason, stop_reason=last.stop_reason,
         usage=last.usage, timings=last.timings,
+        prompt_logprobs=tuple(lp for c in chunks for lp in c.prompt_logprobs),
+        tool_calls=last.tool_calls, content=last.content,
     )

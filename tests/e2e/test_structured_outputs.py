@@ -13,6 +13,8 @@ import jsonschema
 import openai
 import pytest
 
+from pdserve import SamplingParams, StructuredOutputsParams
+from pdserve.client import Client
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from tests.e2e.harness import stats, wait_until
 
@@ -222,17 +224,13 @@ def test_auto_tool_calls_are_parsed_whole_streamed_and_over_grpc(service, client
                                                                             **kwargs))
     assert (stream, content, finish) == ([("get_weather", call.function.arguments)], "",
                                          "tool_calls")
-    request = pdserve_pb2.GenerateRequest(
-        messages=[pdserve_pb2.ChatMessage(role="user", content="Weather in Paris?")],
-        tools=[pdserve_pb2.Tool(name="get_weather",
-                                parameters=json.dumps(WEATHER["function"]["parameters"]))],
-        sampling=pdserve_pb2.SamplingParams(
-            max_tokens=60, temperature=0, structured_outputs=pdserve_pb2.StructuredOutputs(
-                choice=pdserve_pb2.Choices(choices=[HERMES_CALL]))))
-    with grpc.insecure_channel(service.address) as channel:
-        last = list(pdserve_pb2_grpc.InferenceStub(channel).Generate(request, timeout=60))[-1]
-    assert last.finish_reason == "tool_calls"
-    assert [(c.name, json.loads(c.arguments)) for c in last.tool_calls] == [
+    with Client(service.address, timeout=60) as grpc_client:  # the gRPC API's own messages
+        got = grpc_client.complete(
+            messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER],
+            sampling=SamplingParams(max_tokens=60, temperature=0, structured_outputs=(
+                StructuredOutputsParams(choice=[HERMES_CALL]))))
+    assert got.finish_reason == "tool_calls" and got.content is None
+    assert [(c.name, json.loads(c.arguments)) for c in got.tool_calls] == [
         ("get_weather", {"city": "Paris", "unit": "C"})]
     # the next turn: the call and its result render through the chat template
     follow = client.chat.completions.create(model=model, max_tokens=4, messages=[

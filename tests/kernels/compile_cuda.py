@@ -31,6 +31,8 @@ from pdserve.kernels.triton.quant_linear import _quant_linear_kernel
 from pdserve.kernels.triton.rms_norm import _rms_norm_kernel
 from pdserve.kernels.triton.rotary_embedding import _rotary_embedding_kernel
 from pdserve.kernels.triton.store_kv import _store_kv_kernel
+from pdserve.kernels.triton.token_bitmask import BLOCK as BITMASK_BLOCK
+from pdserve.kernels.triton.token_bitmask import _token_bitmask_kernel
 
 FLOAT_ARGS = {"qk_scale", "eps", "cap"}
 
@@ -121,6 +123,8 @@ def variants():
                     PRECISION="ieee" if x == "fp32" else "tf32"))
 
 
+    yield ("token_bitmask fp32", _token_bitmask_kernel,
+           {"logits_ptr": "fp32", "bitmask_ptr": "i32"}, dict(BLOCK=BITMASK_BLOCK))
     for gated, x in ((True, "bf16"), (False, "bf16"), (True, "fp32")):  # w13 + SiLU*up; w2
         dot = tl.float32 if x == "fp32" else tl.bfloat16
         yield (f"fused_moe {'w13 gated' if gated else 'w2 weighted'} {x}", _moe_gemm_kernel,

@@ -1,7 +1,8 @@
-"""The structured-output token mask: the C kernel (`kernels/cpu/token_bitmask.c`) and the torch
-reference against xgrammar's own `apply_token_bitmask_inplace` (an independent implementation
-of the same layout), on random bitmasks with the words a grammar makes (all set, none set,
-mixed) and vocabularies that end mid-word. Masking is exact: the results are equal."""
+"""The structured-output token mask: the C kernel (`kernels/cpu/token_bitmask.c`), the Triton
+kernel (interpreted) and the torch reference against xgrammar's own
+`apply_token_bitmask_inplace` (an independent implementation of the same layout), on random
+bitmasks with the words a grammar makes (all set, none set, mixed) and vocabularies that end
+mid-word. Masking is exact: the results are equal."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import xgrammar as xgr
 
 from pdserve.kernels.cpu.token_bitmask import apply_token_bitmask_cpu
 from pdserve.kernels.reference.token_bitmask import apply_token_bitmask_ref
+from pdserve.kernels.triton.token_bitmask import apply_token_bitmask
 
 
 def random_bitmask(rows: int, vocab: int, seed: int) -> torch.Tensor:
@@ -32,7 +34,7 @@ def test_kernel_and_reference_equal_xgrammar(vocab, rows):
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows))
     want = logits.clone()
     xgr.apply_token_bitmask_inplace(want, bitmask, vocab_size=vocab)
-    for apply in (apply_token_bitmask_ref, apply_token_bitmask_cpu):
+    for apply in (apply_token_bitmask_ref, apply_token_bitmask_cpu, apply_token_bitmask):
         got = logits.clone()
         apply(got, bitmask)
         assert torch.equal(got, want), apply.__name__
