@@ -69,11 +69,11 @@ class RequestLimits:
     max_stop_token_ids: int = 64
     max_logit_bias: int = 300  # OpenAI's
     max_bad_words: int = 64
-    max_grammar_chars: int = 65536  # a structured output's schema, regex or grammar
+    max_grammar_bytes: int = 65536  # a structured output's schema, regex or grammar
 
     def __post_init__(self) -> None:
         for name in ("max_stop_strings", "max_stop_string_chars", "max_stop_token_ids",
-                     "max_logit_bias", "max_bad_words", "max_grammar_chars"):
+                     "max_logit_bias", "max_bad_words", "max_grammar_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -150,7 +150,7 @@ def validate(request: pdserve_pb2.GenerateRequest, model: ModelContext,
         raise InvalidArgument(
             f"model {request.model!r} is not served here; this router serves {model.name!r}"
         )
-    tools = parse_request_tools(request)
+    tools = _request_tools(request)
     if tools is not None and not request.messages:
         raise InvalidArgument("tools: tools need messages (the chat template renders them)")
     prompt_ids = _prompt_ids(request, model, tools)
@@ -171,6 +171,9 @@ def validate(request: pdserve_pb2.GenerateRequest, model: ModelContext,
         )
     forced = forced_schema(tools) if tools is not None else None
     if forced is not None:
+        if len(forced) > limits.max_grammar_bytes:
+            raise InvalidArgument(f"tools: the forced choice's schema is {len(forced)} bytes; "
+                                  f"the limit is {limits.max_grammar_bytes}")
         if params.structured_outputs is not None:
             raise InvalidArgument("tool_choice: a forced tool choice and structured_outputs "
                                   "both shape the output: give one")
@@ -205,7 +208,7 @@ def _json_or_text(text: str) -> Any:
         return text
 
 
-def parse_request_tools(request: pdserve_pb2.GenerateRequest) -> ToolRequest | None:
+def _request_tools(request: pdserve_pb2.GenerateRequest) -> ToolRequest | None:
     """The request's tools and tool choice, checked as the OpenAI front checks them."""
     if not request.tools and not request.HasField("tool_choice"):
         return None
@@ -277,9 +280,9 @@ def check_limits(sampling: pdserve_pb2.SamplingParams, limits: RequestLimits) ->
         raise InvalidArgument("sampling.bad_words_token_ids: set by the router from bad_words; "
                               "leave it empty")
     spec = sampling.structured_outputs
-    if spec.ByteSize() > limits.max_grammar_chars:
+    if spec.ByteSize() > limits.max_grammar_bytes:
         raise InvalidArgument(f"sampling.structured_outputs: {spec.ByteSize()} bytes; the "
-                              f"limit is {limits.max_grammar_chars}")
+                              f"limit is {limits.max_grammar_bytes}")
 
 
 def _check_id(name: str, value: str, limit: int = MAX_ID_CHARS) -> str:

@@ -14,6 +14,7 @@ import json
 import random
 from concurrent.futures import ThreadPoolExecutor
 
+import jsonschema
 import pytest
 
 from pdserve.client import Client
@@ -24,11 +25,11 @@ from tests.integration.test_speculative import repetitive_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.8, max_tokens=32, seed=5, ignore_eos=True)
-# drafts checked against a grammar (a looping JSON array) and counted by the penalties
-CONSTRAINED = SamplingParams(
-    temperature=0.8, max_tokens=32, seed=6, ignore_eos=True, structured_outputs=(
-        StructuredOutputsParams(json='{"type": "array", "items": {"enum": [1, 22, 333]}, '
-                                     '"minItems": 30}')))
+# drafts checked against a grammar (a JSON array that repeats itself: drafts find matches)
+# and counted by the penalties
+ARRAY = {"type": "array", "items": {"enum": [1, 22, 333]}, "minItems": 4, "maxItems": 9}
+CONSTRAINED = SamplingParams(temperature=0.8, max_tokens=64, seed=6, ignore_eos=True,
+                             structured_outputs=StructuredOutputsParams(json=json.dumps(ARRAY)))
 PENALIZED = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, presence_penalty=0.5,
                            frequency_penalty=0.5, repetition_penalty=1.3, logit_bias={11: 2.0})
 
@@ -64,10 +65,12 @@ def test_outputs_equal_the_offline_engine_without_speculation(service, offline):
     expected = [list(o.token_ids) for o in offline.generate(prompts, params)]
     before = counters(service.address)
     with Client(service.address, timeout=120) as client, ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(
-            lambda pp: list(client.complete(pp[0], sampling=pp[1]).token_ids),
-            zip(prompts, params)))
-    assert got == expected
+        done = list(pool.map(lambda pp: client.complete(pp[0], sampling=pp[1]),
+                             zip(prompts, params)))
+    assert [list(c.token_ids) for c in done] == expected
+    for c in done[2::4]:  # the constrained ones ended with their grammar, valid
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.text), ARRAY)
     # the load reports that carry the counters lag the streams by up to 0.2 s
     wait_until(lambda: counters(service.address)[2] > before[2], 5, "accepted drafts counted")
     verifications, drafts, accepted = (b - a for a, b in zip(before, counters(service.address)))
