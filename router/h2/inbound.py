@@ -193,6 +193,8 @@ class Inbound:
             self.conn.send_window += increment
             if self.conn.send_window > f.MAX_WINDOW:
                 raise f.H2Error(f.FLOW_CONTROL_ERROR, "connection window over 2^31-1")
+        elif stream_id > self.conn.last_stream_id:
+            raise f.H2Error(f.PROTOCOL_ERROR, f"WINDOW_UPDATE on idle stream {stream_id}")
         elif (call := self.conn.calls.get(stream_id)) is not None:
             if increment == 0 or call.send_window + increment > f.MAX_WINDOW:
                 self.conn.send(f.rst_stream(stream_id, f.FLOW_CONTROL_ERROR if increment
@@ -203,6 +205,8 @@ class Inbound:
         self.conn.wake()
 
     def _on_priority(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if stream_id == 0:
+            raise f.H2Error(f.PROTOCOL_ERROR, "PRIORITY on stream 0")
         if len(payload) != 5:
             raise f.H2Error(f.FRAME_SIZE_ERROR, "malformed PRIORITY")
 

@@ -8,7 +8,10 @@ connection's next write, and a write waits only when the client is behind.
 What it serves: unary, server-streaming and bidirectional methods by path; the client's
 `grpc-timeout` (DEADLINE_EXCEEDED when it passes); `authorize(path, metadata)` before a
 handler runs (UNAUTHENTICATED); TLS with ALPN h2 and, with a CA, client certificates; several
-processes on one port (SO_REUSEPORT). Status codes as grpc's servers give them: UNIMPLEMENTED
+processes on one port (SO_REUSEPORT). A malformed request (RFC 9113 8.2-8.3: an uppercase or
+connection-specific field, `te` other than trailers, a pseudo-header unknown, repeated or
+after a regular field, no :method, :scheme or :path) is reset with PROTOCOL_ERROR and the
+connection goes on. Status codes as grpc's servers give them: UNIMPLEMENTED
 for an unknown method or a compressed message, INVALID_ARGUMENT for a request that does not
 parse, RESOURCE_EXHAUSTED for one over the size limit, UNKNOWN for a handler's exception.
 """
@@ -40,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 _TIMEOUT = re.compile(r"(\d{1,8})([HMSmun])")
 _UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+_REQUEST_PSEUDO = {":method", ":scheme", ":path", ":authority"}
+_CONNECTION_SPECIFIC = {"connection", "keep-alive", "proxy-connection", "transfer-encoding",
+                        "upgrade"}
 
 
 @dataclass(frozen=True)
@@ -110,15 +116,24 @@ class GrpcServer:
         for name, value in headers:
             name = name.decode("latin-1")
             if name.startswith(":"):
+                if metadata or name not in _REQUEST_PSEUDO or name in pseudo:
+                    pseudo = {}  # after a regular field, unknown, or twice: malformed
+                    break
                 pseudo[name] = value.decode("latin-1")
+            elif name in _CONNECTION_SPECIFIC or name != name.lower() or (
+                    name == "te" and value != b"trailers"):
+                pseudo = {}
+                break
             elif name.endswith("-bin"):
                 metadata.append((name, _unbase64(value)))
             else:
                 metadata.append((name, value.decode("latin-1")))
         metadata = tuple(metadata)
         meta = dict(metadata)
-        if pseudo.get(":method") != "POST" or not pseudo.get(":path"):
-            conn.send(f.rst_stream(stream_id, f.PROTOCOL_ERROR))  # not a gRPC request
+        if (pseudo.get(":method") != "POST" or not pseudo.get(":path")
+                or not pseudo.get(":scheme")):
+            # malformed (RFC 9113 8.2-8.3), or not a gRPC request: a stream error
+            conn.send(f.rst_stream(stream_id, f.PROTOCOL_ERROR))
             return
         call = conn.new_call(stream_id, pseudo[":path"], metadata)
         if end_stream:
