@@ -157,8 +157,8 @@ class ModelRunner:
             stops = (*(() if e.sampling_params.ignore_eos else request.eos_token_ids),
                      *e.sampling_params.stop_token_ids)
             rows += [LogitsRow(e.sampling_params, tokens + list(drafts[:j]),
-                               request.num_prior_output_tokens + len(request.output_token_ids)
-                               + j, len(request.output_token_ids) + j, stops)
+                               request.num_sampled_tokens + j,
+                               len(request.output_token_ids) + j, stops)
                      for j in range(len(drafts) + 1)]
             if request.grammar is not None:
                 if bitmask is None:  # all allowed; on the CPU, where xgrammar fills it

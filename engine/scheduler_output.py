@@ -17,14 +17,15 @@ class SamplingHistory(Protocol):
     """What rank 0 reads of a request to process its logits (engine.request.Request is one):
     its tokens, which of them it generated, its stop ids and its grammar."""
 
-    prompt_token_ids: Sequence[int]
-    output_token_ids: list[int]
-    num_prior_output_tokens: int
+    output_token_ids: list[int]  # generated here
     eos_token_ids: Sequence[int]
     grammar: Any  # engine.structured_output.GrammarState | None
 
     @property
     def all_token_ids(self) -> list[int]: ...
+
+    @property
+    def num_sampled_tokens(self) -> int: ...  # generated here and where it came from
 
 
 @dataclass(frozen=True)
