@@ -41,7 +41,12 @@ from pdserve.decode_worker.worker import DecodeWorker, ReservationNotFound
 from pdserve.kvtransfer.descriptor import Endpoint
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.tls import TLSFiles
-from pdserve.wire import logprobs_from_proto, logprobs_to_proto, sampling_from_proto
+from pdserve.wire import (
+    logprobs_from_proto,
+    logprobs_to_proto,
+    lora_from_proto,
+    sampling_from_proto,
+)
 from pdserve.worker_grpc import bind, worker_server
 
 logger = logging.getLogger(__name__)
@@ -76,7 +81,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             request.request_id, list(request.prompt_token_ids),
             sampling_from_proto(request.sampling, default_max_tokens=1),
             [Endpoint(s.host, s.port, s.rank) for s in request.sources], request.deadline,
-            request.num_output_tokens,
+            request.num_output_tokens, lora_from_proto(request.lora, request.HasField("lora")),
         ))
         if descriptor is None:
             return worker_pb2.ReserveResponse(granted=False)
@@ -93,7 +98,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         granted = self._owned(context, request, lambda: self.worker.submit(
             request.request_id, list(request.prompt_token_ids),
             sampling_from_proto(request.sampling, default_max_tokens=1),
-            request.num_output_tokens,
+            request.num_output_tokens, lora_from_proto(request.lora, request.HasField("lora")),
         ))
         return worker_pb2.SubmitResponse(granted=granted)
 
@@ -173,7 +178,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             num_running=s.num_running, num_waiting=s.num_waiting + s.num_reserved,
             num_cached_blocks=s.num_cached_blocks, max_num_seqs=s.max_num_seqs,
             block_size=s.block_size, tp_size=s.tp_size, quantization=s.quantization,
-            weight_bytes=s.weight_bytes,
+            weight_bytes=s.weight_bytes, lora_adapters=s.lora_adapters,
             num_spec_verifications=s.num_spec_verifications,
             num_draft_tokens=s.num_draft_tokens, num_accepted_tokens=s.num_accepted_tokens,
         )

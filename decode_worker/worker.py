@@ -32,6 +32,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.input_processor import prepare_params
 from pdserve.engine.loop import EngineLoop, LoopClosedError
+from pdserve.engine.lora_request import LoRARequest
 from pdserve.engine.models.parallel import TensorParallel
 from pdserve.engine.plan_broadcast import IdleBeat
 from pdserve.engine.request import Request, RequestStatus, check_num_prior_output_tokens
@@ -89,10 +90,12 @@ class DecodeWorker:
         sources: Sequence[Endpoint],
         deadline: float,
         num_output_tokens: int = 0,
+        lora: LoRARequest | None = None,
     ) -> TransferDescriptor | None:
         """Hold blocks for the prompt's KV; the descriptor to push into, or None if full.
         The deadline is capped at now + max_reservation_s. `num_output_tokens`: the prompt's
-        tail a migrated request generated elsewhere (seeded sampling continues after it)."""
+        tail a migrated request generated elsewhere (seeded sampling continues after it);
+        `lora`: the adapter it runs with (the prompt's KV computed with it too)."""
         prompt = self._checked_prompt(request_id, prompt_token_ids)
         params = prepare_params(params, None, self.config.model.vocab_size)
         num_output_tokens = check_num_prior_output_tokens(num_output_tokens, len(prompt))
@@ -104,7 +107,7 @@ class DecodeWorker:
         deadline = min(float(deadline), time.time() + self.max_reservation_s)
         request = Request(request_id, prompt, params, self.config.model.eos_token_ids,
                           kv_transfer=RemotePrefill(tuple(sources), deadline),
-                          num_prior_output_tokens=num_output_tokens)
+                          num_prior_output_tokens=num_output_tokens, lora=lora)
         return self._loop.call(lambda: self.core.reserve_remote(request))
 
     def start(
@@ -120,14 +123,15 @@ class DecodeWorker:
         self._loop.call(lambda: self._start(request_id, first_token, logprobs))
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int],
-               params: SamplingParams, num_output_tokens: int = 0) -> bool:
+               params: SamplingParams, num_output_tokens: int = 0,
+               lora: LoRARequest | None = None) -> bool:
         """Prefill and decode here (prefix cache first); False, holding nothing, when full.
-        `num_output_tokens` as for `reserve`."""
+        `num_output_tokens` and `lora` as for `reserve`."""
         prompt = self._checked_prompt(request_id, prompt_token_ids)
         params = prepare_params(params, None, self.config.model.vocab_size)
         num_output_tokens = check_num_prior_output_tokens(num_output_tokens, len(prompt))
         request = Request(request_id, prompt, params, self.config.model.eos_token_ids,
-                          num_prior_output_tokens=num_output_tokens)
+                          num_prior_output_tokens=num_output_tokens, lora=lora)
         return self._loop.call(lambda: self._submit(request))
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:

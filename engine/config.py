@@ -137,6 +137,21 @@ def load_model_config(
     )
 
 
+def num_experts(hf) -> int:
+    """Qwen3-MoE names it num_experts, Mixtral num_local_experts."""
+    return getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", 0) or 0
+
+
+def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
+    """Whether layer `index` routes to experts: every layer of Mixtral; Qwen3-MoE's layers
+    outside `mlp_only_layers` at every `decoder_sparse_step`-th place."""
+    hf = cfg.hf_config
+    if hf is None or not num_experts(hf):
+        return False
+    step = getattr(hf, "decoder_sparse_step", 1) or 1
+    return index not in (getattr(hf, "mlp_only_layers", None) or ()) and (index + 1) % step == 0
+
+
 def checkpoint_dtype(hf: Any) -> str:
     """The dtype an HF config names for its weights, as one of DTYPES (float32 if none)."""
     named = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
@@ -232,6 +247,32 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Serving LoRA adapters (vLLM's `--enable-lora` family): up to `max_loras` adapters in one
+    step, each of rank <= `max_lora_rank`, held in device slots; `max_cpu_loras` loaded adapters
+    kept in host memory (default: max_loras), least recently used dropped beyond that."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int)
+                                or cpu < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras "
+                             f"({self.max_loras}), got {cpu!r}")
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine needs; `device` is a torch device string."""
 
@@ -243,6 +284,7 @@ class EngineConfig:
     seed: int = 0
     kernel_backend: str | None = None
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    lora: LoRAConfig | None = None  # None: no LoRA adapters (enable_lora=False)
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and not 1 <= self.num_threads <= (os.cpu_count() or 1):

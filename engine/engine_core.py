@@ -9,6 +9,7 @@ from typing import Any
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.lora_request import LoRARequest
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.parallel import TensorParallel
 from pdserve.engine.plan_broadcast import publish, publish_plan
@@ -43,7 +44,8 @@ class EngineCore:
         )
         self.connector = connector
         self.scheduler = Scheduler(
-            self.config.scheduler, self.kv_cache, config.model.max_model_len, connector
+            self.config.scheduler, self.kv_cache, config.model.max_model_len, connector,
+            config.lora.max_loras if config.lora is not None else None,
         )
         self.runner = ModelRunner(self.config, self.tp, connector)
         self.speculator = make_speculator(self.config, self.kv_cache)
@@ -51,14 +53,26 @@ class EngineCore:
         self._grammars: GrammarCompiler | None = None
 
     def add_request(self, request: Request) -> None:
+        self.add_lora(request.lora)
         self._attach_grammar(request)
         self.scheduler.add_request(request)
 
     def reserve_remote(self, request: Request) -> object | None:
         """Hold blocks for a prompt whose KV the connector brings in; its descriptor, or None
         (nothing held) when the engine cannot take it now."""
+        self.add_lora(request.lora)
         self._attach_grammar(request)
         return self.scheduler.reserve_remote(request)
+
+    def add_lora(self, lora: LoRARequest | None) -> None:
+        """Have the adapter in host memory (read and checked now: ValueError naming what is
+        wrong with it, before the request holds anything)."""
+        if lora is None:
+            return
+        if self.runner.loras is None:
+            raise ValueError(f"lora_request: adapter {lora.lora_name!r} asked for, but LoRA is "
+                             "not enabled (enable_lora=True, --enable-lora)")
+        self.runner.loras.add(lora)
 
     def _attach_grammar(self, request: Request) -> None:
         """Start compiling the request's structured output (cached per schema, on the

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from pdserve.engine.block_hash import BlockHash, hash_blocks
+from pdserve.engine.block_hash import BlockHash, chain_root, hash_blocks
 from pdserve.engine.block_pool import Block, BlockPool
 from pdserve.engine.request import Request
 
@@ -107,8 +107,9 @@ class KVCacheManager:
         self._hashes.pop(request.request_id, None)
 
     def _chain(self, request: Request, tokens: list[int]) -> list[BlockHash]:
-        """The request's block hashes covering `tokens`, extended and memoized."""
+        """The request's block hashes covering `tokens`, extended and memoized (rooted at its
+        adapter's, if it runs with one)."""
         chain = self._hashes.setdefault(request.request_id, [])
         if len(chain) < len(tokens) // self.block_size:
-            chain[:] = hash_blocks(tokens, self.block_size, chain)
+            chain[:] = hash_blocks(tokens, self.block_size, chain, chain_root(request.lora))
         return chain

@@ -20,6 +20,7 @@ from pdserve.engine.input_processor import (
     prepare_params,
     tokenize_prompt,
 )
+from pdserve.engine.lora_request import LoRARequest
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.prompt_logprobs import output_prompt_logprobs
 from pdserve.engine.request import Request, RequestStatus
@@ -37,6 +38,7 @@ class PreparedRequest:
     prompt: str | None
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
+    lora: LoRARequest | None = None
 
 
 class LLMEngine:
@@ -49,9 +51,11 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
 
     def prepare(
-        self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
+        self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> PreparedRequest:
-        """Validate everything about a request without touching engine state."""
+        """Validate everything about a request without touching engine state (but reading
+        its LoRA adapter into host memory)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         params = params or SamplingParams()
@@ -64,8 +68,11 @@ class LLMEngine:
             raise ValueError("stop: stop strings need a tokenizer, and none was loaded "
                              "(skip_tokenizer_init=True): use stop_token_ids")
         params = prepare_params(params, self.tokenizer, model.vocab_size)
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request)}")
+        self.core.add_lora(lora_request)
         text = prompt if isinstance(prompt, str) else None
-        return PreparedRequest(request_id, text, tuple(ids), params)
+        return PreparedRequest(request_id, text, tuple(ids), params, lora_request)
 
     def add_prepared(self, prepared: PreparedRequest) -> None:
         rid = prepared.request_id
@@ -76,6 +83,7 @@ class LLMEngine:
             prompt_token_ids=prepared.prompt_token_ids,
             sampling_params=prepared.params,
             eos_token_ids=self.config.model.eos_token_ids,
+            lora=prepared.lora,
         )
         self.core.add_request(request)
         self._outputs[rid] = RequestOutput(

@@ -1,9 +1,10 @@
 """ModelRunner: turns a SchedulerOutput into tensors, runs the network, samples.
 
-It owns the model, the KV cache tensors and the per-request sampling generators; it keeps
-no other state between steps (the plan carries tokens, positions and block tables). With a
-KV connector it brackets each forward pass with the connector's worker side: the layers are
-saved as they are computed, and the step returns only once every save is done.
+It owns the model, the KV cache tensors, the per-request sampling generators and the LoRA
+adapters' slots (`engine.lora_slots`); it keeps no other state between steps (the plan
+carries tokens, positions and block tables). With a KV connector it brackets each forward
+pass with the connector's worker side: the layers are saved as they are computed, and the
+step returns only once every save is done.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.loader import load_weights
 from pdserve.engine.logits_processors import LogitsRow, apply_logits_processors
+from pdserve.engine.lora_slots import LoRASlots
 from pdserve.engine.models import model_class
 from pdserve.engine.models.parallel import TensorParallel, prepare_weights, weight_bytes
 from pdserve.engine.prompt_logprobs import compute_prompt_logprobs
@@ -60,6 +62,9 @@ class ModelRunner:
         cfg = config.model
         self.model = model_class(cfg.architecture)(cfg, self.tp, self.ops, self.dtype, self.device)
         load_weights(self.model, cfg.path, cfg.quantization)
+        # the linears' adapter slots, before the layers are bound to their weights
+        self.loras = None if config.lora is None else LoRASlots(
+            self.model, config.lora, cfg, self.ops, self.dtype, self.device)
         prepare_weights(self.model, self.ops, self.dtype)  # each linear in the backend's form
         self.weight_bytes = weight_bytes(self.model)
         self.model.eval()
@@ -232,7 +237,8 @@ class ModelRunner:
             prefill = PrefillMetadata(
                 t(tables[num_decodes:]), t(qsl), t(ctx), int(q_lens.max()), int(ctx.max())
             )
-        meta = AttentionMetadata(t(slots), num_decodes, decode, prefill)
+        lora = self.loras.mapping(plan) if self.loras is not None else None
+        meta = AttentionMetadata(t(slots), num_decodes, decode, prefill, lora)
         sample_rows = [  # the last token's, and with drafts every draft's and the one before
             row for i, e in enumerate(reqs) if e.sampling_params
             for row in range(int(ends[i]) - 1 - e.num_spec_tokens, int(ends[i]))

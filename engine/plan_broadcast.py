@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from pdserve.engine.lora_request import LoRARequest
 from pdserve.engine.models.parallel import TensorParallel
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_output import (
@@ -46,6 +47,7 @@ def encode_plan(plan: SchedulerOutput) -> dict[str, Any]:
             "outputs": e.num_output_tokens,
             "spec": e.num_spec_tokens,
             "prompt_logprobs": dataclasses.asdict(e.prompt_logprobs) if e.prompt_logprobs else None,
+            "lora": dataclasses.asdict(e.lora) if e.lora else None,
         }
         for e in plan.requests
     ]
@@ -73,6 +75,7 @@ def decode_plan(body: dict[str, Any]) -> SchedulerOutput:
             num_output_tokens=int(r["outputs"]),
             num_spec_tokens=int(r["spec"]),
             prompt_logprobs=_task(r.get("prompt_logprobs")),
+            lora=LoRARequest(**r["lora"]) if r.get("lora") else None,
         )
         for r in body["requests"]
     )

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pdserve.engine.lora_request import LoRARequest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_output import PromptLogprobsTask, TokenLogprobs
 
@@ -70,6 +71,7 @@ class Request:
     # that admits it, having replayed the tokens generated elsewhere; advanced by each token
     # appended here.
     grammar: GrammarState | None = None
+    lora: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_connector import KVArrival, KVConnector
+from pdserve.engine.lora_request import LoRARequest
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler_output import (
     EngineCoreOutput,
@@ -51,9 +52,11 @@ class SchedulerStats:
 class Scheduler:
     def __init__(
         self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
-        connector: KVConnector | None = None,
+        connector: KVConnector | None = None, max_loras: int | None = None,
     ) -> None:
+        """`max_loras`: the most LoRA adapters one step may run (the runner's slots)."""
         self.config = config
+        self.max_loras = max_loras
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.connector = connector
@@ -142,10 +145,14 @@ class Scheduler:
         self._apply_connector_events()
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
+        adapters: set[LoRARequest] = set()  # of the step's requests: at most max_loras
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if not self._adapter_fits(request, adapters):  # it waits for a slot, blocks kept
+                i += 1
+                continue
             num_left = request.num_tokens - request.num_computed_tokens
             num_new = min(num_left + len(request.spec_token_ids), budget)
             while not self.kv_cache.allocate(request, num_new):
@@ -162,13 +169,14 @@ class Scheduler:
                 scheduled.append((request, num_new))
                 budget -= num_new
                 i += 1
-        compiling: list[Request] = []  # their grammars are not ready: they keep their place
+        held: list[Request] = []  # a grammar compiling or no adapter slot: they keep their place
         while self.waiting and budget > 0 and not preempted:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
-            if request.grammar is not None and not request.grammar.ready:
-                compiling.append(self.waiting.popleft())
+            if (request.grammar is not None and not request.grammar.ready
+                    or not self._adapter_fits(request, adapters)):
+                held.append(self.waiting.popleft())
                 continue
             if request.grammar is not None and request.grammar.error is not None:
                 self.waiting.popleft()
@@ -189,9 +197,18 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
-        self.waiting.extendleft(reversed(compiling))
+        self.waiting.extendleft(reversed(held))
         self._inflight = self._plan(scheduled)
         return self._inflight
+
+    def _adapter_fits(self, request: Request, adapters: set[LoRARequest]) -> bool:
+        """Whether the step may run `request`'s LoRA adapter (then counted in `adapters`)."""
+        if request.lora is None or request.lora in adapters:
+            return True
+        if self.max_loras is not None and len(adapters) >= self.max_loras:
+            return False
+        adapters.add(request.lora)
+        return True
 
     def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
         """Advance every scheduled request by what ran; append sampled tokens; finish."""
@@ -302,9 +319,12 @@ class Scheduler:
                     prompt_logprobs=request.prompt_logprobs_task(start, num_new - num_spec),
                     request=request if samples and request.sampling_params.processes_logits
                     else None,
+                    lora=request.lora,
                 )
             )
-        entries.sort(key=lambda e: e.num_tokens != 1)  # decode-shaped first, order kept
+        # decode-shaped first, then by LoRA adapter (one run of tokens per adapter: a grouped
+        # kernel reads each adapter's weights once), order otherwise kept
+        entries.sort(key=lambda e: (e.num_tokens != 1, e.lora.lora_int_id if e.lora else 0))
         finished, self._finished_ids = tuple(self._finished_ids), []
         return SchedulerOutput(requests=tuple(entries), finished_request_ids=finished)
 

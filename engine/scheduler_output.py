@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pdserve.engine.lora_request import LoRARequest
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -57,6 +58,7 @@ class ScheduledRequest:
     # The request itself, on an entry that samples with logits processing (penalties, a
     # grammar, ...): rank 0 reads its tokens and grammar. Not part of the TP broadcast.
     request: SamplingHistory | None = field(default=None, compare=False)
+    lora: LoRARequest | None = None  # the adapter its tokens run with
 
     @property
     def num_tokens(self) -> int:

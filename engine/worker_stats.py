@@ -34,6 +34,7 @@ class WorkerStats:
     num_accepted_tokens: int  # drafts accepted
     quantization: str = ""  # the weights' ("" = dense)
     weight_bytes: int = 0  # this rank's weights as held
+    lora_adapters: tuple[str, ...] = ()  # the LoRA adapters it holds
 
     @property
     def num_used_blocks(self) -> int:
@@ -58,4 +59,5 @@ class WorkerStats:
             num_accepted_tokens=scheduler.stats.num_accepted_tokens,
             quantization=config.model.quantization.method if config.model.quantization else "",
             weight_bytes=core.runner.weight_bytes,
+            lora_adapters=core.runner.loras.loaded if core.runner.loras is not None else (),
         )

@@ -2,7 +2,8 @@
 
 One AttentionMetadata describes a whole mixed step: the first `num_decode_tokens` tokens
 belong to single-token (decode-shaped) sequences, the rest to prefill chunks. The model runner
-builds it once per step; every layer's attention reads it (no per-step module state).
+builds it once per step; every layer's attention reads it, and the linears its LoRA mapping
+(no per-step module state).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from pdserve.kernels.lora_mapping import LoRAMapping
 
 
 @dataclass(frozen=True)
@@ -34,3 +37,4 @@ class AttentionMetadata:
     num_decode_tokens: int
     decode: DecodeMetadata | None
     prefill: PrefillMetadata | None
+    lora: LoRAMapping | None = None  # which adapter each token uses; None: the base alone

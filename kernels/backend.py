@@ -22,10 +22,14 @@ calls `ops.<op>` and never asks what the device, the cache dtype or a weight's l
   step's K/V and attends (int8 or float cache alike, a layer's window and soft cap); the single
   ops beside it are what benchmarks and tests call;
 - norms, rotary, activations (SwiGLU's, GeGLU's), the KV store and the KV transfer's block
-  pack/unpack; structured outputs' token mask on the logits.
+  pack/unpack; structured outputs' token mask on the logits;
+- LoRA adapters: `add_lora(y, x, a, b, mapping, slice_offsets)` adds each token's adapter
+  (`kernels.lora_mapping`, -1: none) to a linear's output y in place, as the batched shrink
+  (`lora_shrink`: x A^T into an fp32 buffer) then expand (`lora_expand`: y += buffer B^T per
+  slice of a fused projection), Punica's SGMV.
 
-A new op (LoRA's shrink/expand, latent attention) is a method here with its reference in
-`kernels.reference`, overridden where a backend has a kernel.
+A new op (latent attention) is a method here with its reference in `kernels.reference`,
+overridden where a backend has a kernel.
 Only the chosen room is imported: nothing on the CPU path imports Triton, nothing on the CUDA
 path the C kernels' ctypes glue.
 """
@@ -42,6 +46,7 @@ import torch
 
 from pdserve.kernels.attention_metadata import AttentionMetadata
 from pdserve.kernels.decoder_layers import DecoderLayers
+from pdserve.kernels.lora_mapping import LoRAMapping
 from pdserve.kernels.quant_weights import QuantizedWeight
 from pdserve.kernels.reference.fused_moe import (
     ExpertsRef,
@@ -51,6 +56,7 @@ from pdserve.kernels.reference.fused_moe import (
 )
 from pdserve.kernels.reference.gelu_and_mul import gelu_tanh_and_mul_ref
 from pdserve.kernels.reference.linear import DenseLinear, QuantLinearRef
+from pdserve.kernels.reference.lora import lora_expand_ref, lora_shrink_ref
 from pdserve.kernels.reference.pack_blocks import pack_blocks_ref, unpack_blocks_ref
 from pdserve.kernels.reference.paged_attention import (
     paged_decode_attention_int8_ref,
@@ -119,6 +125,9 @@ class KernelBackend:
     # KV transfer: one layer's blocks <-> one contiguous buffer.
     pack_blocks = staticmethod(pack_blocks_ref)
     unpack_blocks = staticmethod(unpack_blocks_ref)
+    # LoRA (kernels.lora_mapping): shrink x [T, in] -> fp32 [T, R], expand it into y in place.
+    lora_shrink = staticmethod(lora_shrink_ref)
+    lora_expand = staticmethod(lora_expand_ref)
     # The model's layer stack (a ModuleList subclass): built by the model, run once per step.
     decoder_layers = DecoderLayers
 
@@ -142,6 +151,20 @@ class KernelBackend:
         expert_start)` from then on (`kernels.reference.fused_moe`)."""
         expert_shapes(w13, w2)
         return ExpertsRef(cast_experts(w13, dtype), cast_experts(w2, dtype))
+
+    def add_lora(
+        self,
+        y: torch.Tensor,  # [T, out]: the linear's output, updated in place
+        x: torch.Tensor,  # [T, in]: the linear's input
+        a: torch.Tensor,  # [slots, R, in], x.dtype: each slice's A stacked along R
+        b: torch.Tensor,  # [slots, out, rank], y.dtype: each slice's B stacked along out
+        mapping: LoRAMapping,
+        slice_offsets: tuple[int, ...],  # 0 = o_0 < ... < o_slices = out; R = slices * rank
+    ) -> None:
+        """Each token's adapter added to a linear's output: y[t, o_s:o_s+1] += B_s A_s x[t]
+        for each slice s (q/k/v: 3, gate/up: 2, a plain linear: 1), in fp32, y rounded once;
+        tokens of slot -1 untouched (`kernels.reference.lora`)."""
+        self.lora_expand(y, self.lora_shrink(x, a, mapping), b, mapping, slice_offsets)
 
     def attention(
         self,

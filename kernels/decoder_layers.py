@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kernels.attention_metadata import AttentionMetadata
+from pdserve.kernels.lora_mapping import LoRAWeights
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class DecoderBlock:
     q_norm: torch.Tensor | None = None  # [head_dim]
     k_norm: torch.Tensor | None = None  # [head_dim]
     window: int | None = None  # sliding window in tokens; None: the whole context
+    # LoRA enabled: the adapters of qkv, o_proj, gate_up, down (added after each linear for
+    # the tokens of a step's `meta.lora` that use one, as `KernelBackend.add_lora` does)
+    loras: tuple[LoRAWeights, LoRAWeights, LoRAWeights, LoRAWeights] | None = None
 
 
 class DecoderLayers(torch.nn.ModuleList):

@@ -1,6 +1,6 @@
 """pdserve: disaggregated prefill/decode LLM serving.
 
-Offline: `LLM`, `SamplingParams` (`StructuredOutputsParams` for a grammar). Online
+Offline: `LLM`, `SamplingParams` (`StructuredOutputsParams` for a grammar), `LoRARequest`. Online
 (gRPC): `Client`, `AsyncClient`. Attributes load on first use, so the router and the
 client never import torch.
 """
@@ -16,6 +16,7 @@ _EXPORTS = {
     "Logprob": "pdserve.engine.outputs",
     "SamplingParams": "pdserve.engine.sampling_params",
     "StructuredOutputsParams": "pdserve.engine.structured_outputs_params",
+    "LoRARequest": "pdserve.engine.lora_request",
     "Client": "pdserve.client",
     "AsyncClient": "pdserve.client",
 }

@@ -6,10 +6,17 @@ import itertools
 import logging
 from collections.abc import Sequence
 
-from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, load_model_config
+from pdserve.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    SchedulerConfig,
+    load_model_config,
+)
 from pdserve.engine.default_model import DEFAULT_MODEL, resolve_model
 from pdserve.engine.input_processor import Prompt, chat_prompt
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.lora_request import LoRARequest
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.spec.config import SpeculativeConfig, parse_speculative_config
@@ -31,6 +38,10 @@ class LLM:
     `quantization` serves weight-only quantized linears (engine/quantization.py): "int8" or
     "int4" quantized at load (`quantization_group_size` for int4, default 32), "gguf" from the
     model directory's GGUF file, "gptq"/"awq" (found from the checkpoint's config.json).
+    `enable_lora=True` serves LoRA adapters (PEFT directories) over the base model, as vLLM's:
+    `generate(..., lora_request=LoRARequest(name, int_id, path))`, one for every prompt or a
+    list with one (or None) per prompt; up to `max_loras` adapters of rank <= `max_lora_rank`
+    run in one step, `max_cpu_loras` stay in host memory.
     """
 
     def __init__(
@@ -54,6 +65,10 @@ class LLM:
         speculative_config: SpeculativeConfig | dict | str | None = None,
         quantization: str | None = None,
         quantization_group_size: int = 0,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ) -> None:
         speculative = parse_speculative_config(speculative_config)  # refused before any load
         path = resolve_model(model)
@@ -73,6 +88,7 @@ class LLM:
             seed=seed,
             kernel_backend=kernel_backend,
             speculative=speculative,
+            lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
         )
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(path, tokenizer)
         self.engine = LLMEngine(config, self.tokenizer)
@@ -91,6 +107,7 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order.
 
@@ -99,16 +116,12 @@ class LLM:
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(
-                f"sampling_params: got {len(params)} for {len(prompts)} prompts"
-            )
+        params = _per_prompt(sampling_params or SamplingParams(), len(prompts),
+                             "sampling_params")
+        loras = _per_prompt(lora_request, len(prompts), "lora_request")
         prepared = [
-            self.engine.prepare(f"offline-{next(self._ids)}", prompt, p)
-            for prompt, p in zip(prompts, params)
+            self.engine.prepare(f"offline-{next(self._ids)}", prompt, p, lora)
+            for prompt, p, lora in zip(prompts, params, loras)
         ]
         return self._run(prepared)
 
@@ -116,11 +129,12 @@ class LLM:
         self,
         messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
         sampling_params: SamplingParams | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Reply to one conversation (a list of {role, content}) or to several."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [chat_prompt(conv, self.tokenizer) for conv in conversations]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, lora_request)
 
     def _run(self, prepared: list) -> list[RequestOutput]:
         for request in prepared:
@@ -136,3 +150,12 @@ class LLM:
                 if request.request_id not in finished:
                     self.engine.abort(request.request_id)
         return [finished[r.request_id] for r in prepared]
+
+
+def _per_prompt(value, num_prompts: int, name: str) -> list:
+    """One value for every prompt, or a list with one per prompt."""
+    if value is None or not isinstance(value, (list, tuple)):
+        return [value] * num_prompts
+    if len(value) != num_prompts:
+        raise ValueError(f"{name}: got {len(value)} for {num_prompts} prompts")
+    return list(value)

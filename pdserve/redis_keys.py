@@ -43,3 +43,8 @@ def sessions_index_key(namespace: str, tenant: str) -> str:
 
 def prefix_key(namespace: str, worker_id: str) -> str:
     return f"{namespace}:prefix:{worker_id}"
+
+
+def lora_adapters_key(namespace: str) -> str:
+    """The LoRA adapters the deployment's routers serve: a hash of name -> [id, path]."""
+    return f"{namespace}:lora_adapters"

@@ -13,10 +13,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdserve.engine.input_processor import check_prompt_length, tokenize_prompt
+from pdserve.engine.lora_request import LoRARequest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_output import TokenLogprobs
 from pdserve.engine.structured_outputs_params import StructuredOutputsParams
-from pdserve.proto import pdserve_pb2
+from pdserve.proto import pdserve_pb2, worker_pb2
 
 MAX_REQUEST_ID_CHARS = 256  # a transfer descriptor's limit (kvtransfer.descriptor)
 
@@ -126,3 +127,17 @@ def logprobs_to_proto(lp: TokenLogprobs) -> pdserve_pb2.TokenLogprob:
 def logprobs_from_proto(msg: pdserve_pb2.TokenLogprob) -> TokenLogprobs:
     return TokenLogprobs(msg.token_id, msg.logprob, tuple((t.token_id, t.logprob) for t in msg.top),
                          msg.rank if msg.HasField("rank") else None)
+
+
+def lora_from_proto(msg: worker_pb2.LoRAAdapter, present: bool) -> LoRARequest | None:
+    """The adapter a worker request names (`present`: its `lora` field is set); ValueError
+    naming a bad field."""
+    if not present:
+        return None
+    return LoRARequest(msg.name, msg.id, msg.path)
+
+
+def lora_to_proto(lora: LoRARequest | None) -> worker_pb2.LoRAAdapter | None:
+    if lora is None:
+        return None
+    return worker_pb2.LoRAAdapter(name=lora.lora_name, id=lora.lora_int_id, path=lora.lora_path)

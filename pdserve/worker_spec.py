@@ -11,7 +11,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, load_model_config
+from pdserve.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    SchedulerConfig,
+    load_model_config,
+)
 from pdserve.engine.spec.config import parse_speculative_config
 from pdserve.redis_keys import DEFAULT_NAMESPACE
 from pdserve.tls import TLSFiles
@@ -43,6 +49,9 @@ class WorkerSpec:
     # Speculative decoding (SpeculativeConfig's fields, plain JSON): decode workers only; the
     # launcher never gives it to a prefill worker. None: no speculation.
     speculative_config: dict[str, Any] | None = None
+    # LoRA adapters (engine.config.LoRAConfig's fields, plain JSON); None: LoRA not enabled.
+    # The adapters themselves come with each request (their paths on every node's disk).
+    lora_config: dict[str, Any] | None = None
     host: str = "127.0.0.1"  # where its gRPC service and KV endpoints bind; "auto": node IP
     # prefill workers publish their prefix-cache events there; no credentials in it (the
     # password reaches the worker in its environment, defaults.REDIS_PASSWORD_ENV)
@@ -67,6 +76,7 @@ class WorkerSpec:
     def __post_init__(self) -> None:
         check_worker_tls(self._tls_paths())
         parse_speculative_config(self.speculative_config)  # a bad field fails here, named
+        self._lora()
         for name in ("max_reservation_s", "stall_timeout_s", "tp_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
@@ -107,7 +117,11 @@ class WorkerSpec:
             seed=self.seed,
             kernel_backend=self.kernel_backend,
             speculative=parse_speculative_config(self.speculative_config),
+            lora=self._lora(),
         )
+
+    def _lora(self) -> LoRAConfig | None:
+        return None if self.lora_config is None else LoRAConfig(**self.lora_config)
 
     def with_resolved_host(self) -> WorkerSpec:
         """`host="auto"` becomes this node's address as Ray knows it: what other nodes (the

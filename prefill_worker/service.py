@@ -33,7 +33,7 @@ from pdserve.prefill_worker.worker import (
     PrefillWorker,
 )
 from pdserve.proto import worker_pb2, worker_pb2_grpc
-from pdserve.wire import logprobs_to_proto, sampling_from_proto
+from pdserve.wire import logprobs_to_proto, lora_from_proto, sampling_from_proto
 from pdserve.worker_grpc import bind, worker_server
 from pdserve.worker_spec import WorkerSpec
 
@@ -61,8 +61,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         try:
             descriptor = TransferDescriptor.decode(request.descriptor)
             params = sampling_from_proto(request.sampling, default_max_tokens=1)
-            future = self.worker.prefill(rid, list(request.prompt_token_ids), params, descriptor,
-                                         request.num_output_tokens)
+            future = self.worker.prefill(
+                rid, list(request.prompt_token_ids), params, descriptor,
+                request.num_output_tokens, lora_from_proto(request.lora, request.HasField("lora")))
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RuntimeError as exc:  # closed, or its loop died
@@ -101,7 +102,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             num_running=s.num_running, num_waiting=s.num_waiting,
             num_cached_blocks=s.num_cached_blocks, max_num_seqs=s.max_num_seqs,
             block_size=s.block_size, tp_size=s.tp_size, quantization=s.quantization,
-            weight_bytes=s.weight_bytes,
+            weight_bytes=s.weight_bytes, lora_adapters=s.lora_adapters,
         )
 
 

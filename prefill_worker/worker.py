@@ -27,6 +27,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.input_processor import prepare_params
 from pdserve.engine.loop import EngineLoop, LoopClosedError
+from pdserve.engine.lora_request import LoRARequest
 from pdserve.engine.request import Request, RequestStatus, check_num_prior_output_tokens
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_output import EngineCoreOutput, TokenLogprobs
@@ -96,12 +97,13 @@ class PrefillWorker:
         params: SamplingParams,
         descriptor: TransferDescriptor,
         num_output_tokens: int = 0,
+        lora: LoRARequest | None = None,
     ) -> Future[PrefillResult]:
         """Queue a prompt; the future gives its first token once its KV has been pushed.
         `num_output_tokens`: the prompt's tail a migrated request generated elsewhere (its
-        seeded sampling continues after it). ValueError (now, or from the future for a
-        request_id already in flight) names a bad field; the future's other failures are the
-        exception types above."""
+        seeded sampling continues after it); `lora`: the adapter its KV is computed with.
+        ValueError (now, or from the future for a request_id already in flight) names a bad
+        field; the future's other failures are the exception types above."""
         check_request_id(request_id)
         model = self.config.model
         prompt = check_prompt(prompt_token_ids, model.vocab_size, model.max_model_len)
@@ -124,7 +126,7 @@ class PrefillWorker:
                                                min_tokens=min(params.min_tokens, 1))
         request = Request(request_id, prompt, first_token_only,
                           self.config.model.eos_token_ids, kv_transfer=descriptor,
-                          num_prior_output_tokens=num_output_tokens)
+                          num_prior_output_tokens=num_output_tokens, lora=lora)
         result: Future[PrefillResult] = Future()
         try:
             added = self._loop.submit(lambda: self._add(request, result))

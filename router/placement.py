@@ -20,7 +20,8 @@ from collections.abc import Mapping
 
 import grpc
 
-from pdserve.engine.block_hash import hash_blocks
+from pdserve.engine.block_hash import chain_root, hash_blocks
+from pdserve.engine.lora_request import LoRARequest
 from pdserve.proto import pdserve_pb2, worker_pb2
 from pdserve.router.config import RouterConfig
 from pdserve.router.decode_client import DecodeClient
@@ -37,8 +38,14 @@ from pdserve.router.policy import (
 )
 from pdserve.router.store import RedisStore, Session
 from pdserve.router.validation import InvalidArgument, ValidRequest
-from pdserve.router.workers import PrefillClient, ReservationLost, WorkerBusy, WorkerLost
-from pdserve.wire import sampling_to_proto
+from pdserve.router.workers import (
+    PrefillClient,
+    ReservationLost,
+    WorkerBusy,
+    WorkerClient,
+    WorkerLost,
+)
+from pdserve.wire import lora_to_proto, sampling_to_proto
 
 logger = logging.getLogger(__name__)
 
@@ -158,11 +165,11 @@ class Placer:
                 len(prompt), placement.session_hit, self.config.max_local_prefill_tokens):
             granted = await decode.submit(worker_pb2.SubmitRequest(
                 request_id=rid, prompt_token_ids=prompt, sampling=sampling,
-                num_output_tokens=req.num_output_tokens))
+                num_output_tokens=req.num_output_tokens, lora=lora_to_proto(req.lora)))
             _check(flight)
             return granted
         try:
-            prefill, hits = await self.choose_prefill(prompt, lost_prefill)
+            prefill, hits = await self.choose_prefill(prompt, lost_prefill, req.lora)
         except WorkerLost:  # nothing of this attempt reached the decode worker: nothing to free
             decode.close_request(rid)
             flight.decode = None
@@ -175,13 +182,14 @@ class Placer:
         reply = await decode.reserve(worker_pb2.ReserveRequest(
             request_id=rid, prompt_token_ids=prompt, sampling=decode_sampling,
             sources=[prefill.source], deadline=wall_deadline,
-            num_output_tokens=req.num_output_tokens))
+            num_output_tokens=req.num_output_tokens, lora=lora_to_proto(req.lora)))
         _check(flight)
         if not reply.granted:
             return False
         request = worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt,
                                             sampling=sampling, descriptor=reply.descriptor,
-                                            num_output_tokens=req.num_output_tokens)
+                                            num_output_tokens=req.num_output_tokens,
+                                            lora=lora_to_proto(req.lora))
         placement.prefill = await self._prefill(flight, prefill, decode, request,
                                                 len(prompt) - hits, deadline)
         _check(flight)
@@ -232,6 +240,7 @@ class Placer:
             len(req.prompt_token_ids),
             -(-(len(req.prompt_token_ids) + 1) // self.config.block_size),
             session.decode_worker if session else None,
+            lora_name=req.lora.lora_name if req.lora is not None else None,
         )
         # a worker whose last load poll was late is served only when no fresh one fits
         for stale in (False, True):
@@ -246,19 +255,23 @@ class Placer:
         decode.note_sent(info.num_blocks_needed)
         return decode
 
-    async def choose_prefill(self, prompt: list[int],
-                             excluded: set[str] = frozenset()) -> tuple[PrefillClient, int]:
-        """The prefill worker for this prompt and its prefix-cache hit there (tokens)."""
+    async def choose_prefill(self, prompt: list[int], excluded: set[str] = frozenset(),
+                             lora: LoRARequest | None = None) -> tuple[PrefillClient, int]:
+        """The prefill worker for this prompt (run with `lora`) and its prefix-cache hit there
+        (tokens)."""
         up = [c for c in self.prefill.values() if c.in_rotation and c.worker_id not in excluded]
         if not up:
             raise WorkerLost("no prefill worker is up")
         hits: dict[str, int] = {}
         if self.store is not None and len(up) > 1:
-            hashes = hash_blocks(prompt, self.config.block_size)
+            hashes = hash_blocks(prompt, self.config.block_size, root=chain_root(lora))
             blocks = await self.store.prefix_hits(hashes, [c.worker_id for c in up])
             hits = {w: n * self.config.block_size for w, n in blocks.items()}
-        loads = [PrefillLoad(c.worker_id, c.num_inflight, c.num_inflight_tokens) for c in up]
-        chosen = choose_prefill(loads, RoutingInfo(len(prompt), 0, prefix_hits=hits))
+        loads = [PrefillLoad(c.worker_id, c.num_inflight, c.num_inflight_tokens,
+                             _adapters(c)) for c in up]
+        info = RoutingInfo(len(prompt), 0, prefix_hits=hits,
+                           lora_name=lora.lora_name if lora is not None else None)
+        chosen = choose_prefill(loads, info)
         return self.prefill[chosen], hits.get(chosen, 0)
 
 
@@ -282,7 +295,12 @@ def _decode_load(c: DecodeClient) -> DecodeLoad:
     """Its last report, less what the router has sent it since."""
     return DecodeLoad(c.worker_id, c.load.num_blocks, c.load.num_free_blocks - c.num_pending[0],
                       c.load.num_running + c.load.num_waiting + c.num_pending[1],
-                      c.load.max_num_seqs)
+                      c.load.max_num_seqs, _adapters(c))
+
+
+def _adapters(c: WorkerClient) -> frozenset[str]:
+    """The LoRA adapters the worker last said it holds."""
+    return frozenset(c.load.lora_adapters) if c.load is not None else frozenset()
 
 
 def _backoff():

@@ -21,6 +21,7 @@ class PrefillLoad:
     worker_id: str
     num_inflight: int  # requests the router has sent and not yet seen answered
     num_inflight_tokens: int  # their uncached prompt tokens (the work queued there)
+    lora_adapters: frozenset[str] = frozenset()  # the LoRA adapters it holds
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class DecodeLoad:
     num_free_blocks: int  # last reported, minus blocks the router reserved since
     num_running: int
     max_num_seqs: int
+    lora_adapters: frozenset[str] = frozenset()  # the LoRA adapters it holds
 
     def fits(self, num_blocks_needed: int) -> bool:
         """True when this worker has the KV blocks and a batch slot for one more request."""
@@ -47,6 +49,11 @@ class RoutingInfo:
     session_decode_worker: str | None = None
     # prefill worker id -> prompt tokens already cached there (from the Redis prefix index)
     prefix_hits: Mapping[str, int] = field(default_factory=dict, hash=False)
+    lora_name: str | None = None  # the LoRA adapter it runs with
+
+    def lacks_adapter(self, held: frozenset[str]) -> bool:
+        """Whether a worker holding `held` would first have to read this request's adapter."""
+        return self.lora_name is not None and self.lora_name not in held
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
@@ -58,8 +65,9 @@ class RoutingInfo:
 def choose_decode(
     workers: Sequence[DecodeLoad], req: RoutingInfo, excluded: Collection[str] = ()
 ) -> str | None:
-    """Session affinity first (if that worker fits), else most free KV blocks among workers
-    that fit (free >= needed and running < max_num_seqs); ties broken deterministically (fewest
+    """Session affinity first (if that worker fits), else, among workers that fit (free >=
+    needed and running < max_num_seqs), those already holding the request's LoRA adapter
+    (adapter affinity), then most free KV blocks; ties broken deterministically (fewest
     running, then worker_id). None when none fits."""
     fitting = [w for w in workers if w.worker_id not in excluded and w.fits(req.num_blocks_needed)]
     if not fitting:
@@ -69,7 +77,8 @@ def choose_decode(
             if w.worker_id == req.session_decode_worker:
                 return w.worker_id
         logger.debug("session worker %s does not fit; routing by load", req.session_decode_worker)
-    best = min(fitting, key=lambda w: (-w.num_free_blocks, w.num_running, w.worker_id))
+    best = min(fitting, key=lambda w: (req.lacks_adapter(w.lora_adapters), -w.num_free_blocks,
+                                       w.num_running, w.worker_id))
     return best.worker_id
 
 
@@ -84,12 +93,14 @@ def choose_prefill(
     workers: Sequence[PrefillLoad], req: RoutingInfo, excluded: Collection[str] = ()
 ) -> str | None:
     """Least estimated work: queued uncached tokens on that worker + this prompt's tokens not
-    cached there (num_prompt_tokens - prefix_hits.get(w, 0)); ties: fewer inflight, then
-    worker_id. None when no worker."""
+    cached there (num_prompt_tokens - prefix_hits.get(w, 0), the hits already those of the
+    request's adapter); ties: a worker holding the adapter, fewer inflight, then worker_id.
+    None when no worker."""
     candidates = [w for w in workers if w.worker_id not in excluded]
     if not candidates:
         return None
-    best = min(candidates, key=lambda w: (prefill_work(w, req), w.num_inflight, w.worker_id))
+    best = min(candidates, key=lambda w: (prefill_work(w, req), req.lacks_adapter(w.lora_adapters),
+                                          w.num_inflight, w.worker_id))
     return best.worker_id
 
 

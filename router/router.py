@@ -25,11 +25,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
 from pdserve.cluster_secret import ClusterSecret
+from pdserve.engine.lora_request import LoRARequest
 from pdserve.proto import pdserve_pb2
 from pdserve.router.admission import Admission
 from pdserve.router.config import RouterConfig
 from pdserve.router.decode_client import DecodeClient
 from pdserve.router.flight import Flight, Placement
+from pdserve.router.lora_adapters import LoRAAdapters
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placement import Aborted, NoCapacity, Placer
 from pdserve.router.store import RedisStore
@@ -80,6 +82,7 @@ class Router:
         # may hold it: the kernel spreads connections, so an Abort may land elsewhere)
         self.relay_abort: Callable[[str], Awaitable[bool]] | None = None
         self._background: set[asyncio.Task] = set()
+        self._loras_published = False  # this process's startup adapters are in Redis
 
     # ---- workers ----
 
@@ -153,6 +156,47 @@ class Router:
             await client.close()
         for task in list(self._background):
             task.cancel()
+
+    # ---- LoRA adapters ----
+
+    async def load_lora(self, name: str, path: str) -> LoRARequest:
+        """Serve one more adapter, on every router process of the deployment (checked off the
+        event loop first: ValueError naming the field at fault)."""
+        loras = self._loras()
+        lora = await asyncio.to_thread(loras.check, name, path)
+        if self.store is not None:
+            await self.store.put_lora_adapter(lora)
+        loras.add(lora)
+        return lora
+
+    async def unload_lora(self, name: str) -> LoRARequest:
+        """Stop serving an adapter everywhere (requests in flight with it finish)."""
+        loras = self._loras()
+        lora = loras.get(name)
+        if lora is None:
+            raise ValueError(f"lora_name: no adapter {name!r} is loaded")
+        if self.store is not None:
+            await self.store.delete_lora_adapter(name)
+        loras.remove(name)
+        return lora
+
+    async def sync_loras(self) -> None:
+        """Serve the deployment's adapters as Redis lists them, having first put this
+        process's startup ones there (unless a name is there already)."""
+        loras = self.model.loras
+        if loras is None or self.store is None:
+            return
+        if not self._loras_published:
+            puts = [await self.store.put_lora_adapter(lora, only_new=True) for lora in loras]
+            self._loras_published = all(puts)
+        table = await self.store.lora_adapters() if self._loras_published else None
+        if table is not None:
+            loras.sync(table)
+
+    def _loras(self) -> LoRAAdapters:
+        if self.model.loras is None:
+            raise ValueError("LoRA is not enabled on this server (--enable-lora)")
+        return self.model.loras
 
     # ---- requests ----
 

@@ -121,6 +121,7 @@ class InferenceServicer:
             block_size=self.router.config.block_size, dtype=model.dtype,
             eos_token_ids=list(model.eos_token_ids),
             has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+            lora_adapters=[a.lora_name for a in model.loras or ()],
             **self._weights(),
         )
 
@@ -268,6 +269,7 @@ class RouterServer:
         redis_up = False
         if router.store is not None:
             redis_up = await router.store.check()
+            await router.sync_loras()
         await self.health.set(REDIS_HEALTH, SERVING if redis_up else NOT_SERVING)
         metrics.set_redis_up(redis_up)
         metrics.set_queue(router.admission.num_queued, router.admission.num_inflight)

@@ -36,6 +36,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from pdserve import redis_keys
+from pdserve.engine.lora_request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +175,38 @@ class RedisStore:
         if replies is None:
             return {}
         return {w: _leading_true(flags) for w, flags in zip(workers, replies)}
+
+    async def lora_adapters(self) -> dict[str, LoRARequest] | None:
+        """The LoRA adapters the deployment serves (router.lora_adapters); None when Redis does
+        not answer. A malformed entry is skipped."""
+        key = redis_keys.lora_adapters_key(self.namespace)
+        fields = await self._call("lora_adapters", lambda: self._redis.hgetall(key), None)
+        if fields is None:
+            return None
+        table = {}
+        for name, value in fields.items():
+            try:
+                lora_int_id, path = json.loads(value)
+                lora = LoRARequest(name.decode(), lora_int_id, path)
+            except (TypeError, ValueError, UnicodeDecodeError) as exc:
+                logger.warning("ignoring malformed LoRA adapter entry %r: %s", name, exc)
+                continue
+            table[lora.lora_name] = lora
+        return table
+
+    async def put_lora_adapter(self, lora: LoRARequest, only_new: bool = False) -> bool:
+        """Record `lora` (`only_new`: unless its name is there already); False when Redis
+        does not answer."""
+        key = redis_keys.lora_adapters_key(self.namespace)
+        value = json.dumps([lora.lora_int_id, lora.lora_path])
+        put = self._redis.hsetnx if only_new else self._redis.hset
+        return await self._call("put_lora_adapter", lambda: put(key, lora.lora_name, value),
+                                None) is not None
+
+    async def delete_lora_adapter(self, name: str) -> bool:
+        key = redis_keys.lora_adapters_key(self.namespace)
+        return await self._call("delete_lora_adapter", lambda: self._redis.hdel(key, name),
+                                None) is not None
 
     async def close(self) -> None:
         try:

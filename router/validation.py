@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from google.protobuf.message import DecodeError
@@ -27,12 +27,14 @@ from pdserve.engine.input_processor import (
     prepare_params,
     tokenize_prompt,
 )
+from pdserve.engine.lora_request import LoRARequest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured_outputs_params import StructuredOutputsParams
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.proto import pdserve_pb2, raw_pb2
 from pdserve.redis_keys import PUBLIC_TENANT, scoped_session_id
 from pdserve.router.invalid_argument import InvalidArgument
+from pdserve.router.lora_adapters import LoRAAdapters
 from pdserve.router.tools import ToolRequest, forced_schema, parse_tools
 from pdserve.wire import sampling_from_proto
 
@@ -42,7 +44,8 @@ MAX_ID_CHARS = 256  # session_id
 
 @dataclass(frozen=True)
 class ModelContext:
-    """What the router knows of the served model: its tokenizer and limits (no weights)."""
+    """What the router knows of the served model: its tokenizer and limits (no weights), and
+    the LoRA adapters served over it (None: LoRA not enabled)."""
 
     name: str
     tokenizer: Any
@@ -51,13 +54,31 @@ class ModelContext:
     dtype: str = "float32"  # as served (resolved: never "auto")
     eos_token_ids: tuple[int, ...] = ()
     tool_call_parser: str = "hermes"  # the chat template's tool-call format (router.tools)
+    loras: LoRAAdapters | None = field(default=None, compare=False)
 
     @classmethod
     def load(cls, path: str, name: str, dtype: str = "auto", max_model_len: int | None = None,
-             tool_call_parser: str = "hermes") -> ModelContext:
+             tool_call_parser: str = "hermes", max_lora_rank: int | None = None,
+             lora_modules: dict[str, str] | None = None) -> ModelContext:
+        """`max_lora_rank` None: LoRA not enabled; else `lora_modules` (name -> path) are
+        served from the start (ValueError naming a bad one)."""
         config = load_model_config(path, dtype, max_model_len)
-        return cls(name, load_tokenizer(path), config.vocab_size,
-                   config.max_model_len, config.dtype, config.eos_token_ids, tool_call_parser)
+        loras = None if max_lora_rank is None else LoRAAdapters(
+            config, name, max_lora_rank, lora_modules or {})
+        return cls(name, load_tokenizer(path), config.vocab_size, config.max_model_len,
+                   config.dtype, config.eos_token_ids, tool_call_parser, loras)
+
+    def lora(self, name: str) -> LoRARequest | None:
+        """The adapter a request's `model` names: None for the base model (or no name);
+        InvalidArgument when it names nothing served here."""
+        if not name or name == self.name:
+            return None
+        lora = self.loras.get(name) if self.loras is not None else None
+        if lora is None:
+            served = [self.name, *(a.lora_name for a in self.loras or ())]
+            raise InvalidArgument(f"model {name!r} is not served here; this router serves "
+                                  f"{', '.join(map(repr, served))}")
+        return lora
 
 
 @dataclass(frozen=True)
@@ -92,6 +113,7 @@ class ValidRequest:
     num_output_tokens: int = 0
     tools: ToolRequest | None = None  # the answer is read for tool calls (not for "none")
     tool_call_parser: str = "hermes"
+    lora: LoRARequest | None = None  # the LoRA adapter the request's `model` names
 
     def continued(self, output_token_ids: Sequence[int]) -> ValidRequest:
         """This request as another decode worker takes it over after `output_token_ids` were
@@ -146,10 +168,7 @@ def validate(request: pdserve_pb2.GenerateRequest, model: ModelContext,
                   or f"req-{uuid.uuid4().hex}")
     session_id = scoped_session_id(tenant, _check_id("session_id", request.session_id))
     check_limits(request.sampling, limits)
-    if request.model and request.model != model.name:
-        raise InvalidArgument(
-            f"model {request.model!r} is not served here; this router serves {model.name!r}"
-        )
+    lora = model.lora(request.model)
     tools = _request_tools(request)
     if tools is not None and not request.messages:
         raise InvalidArgument("tools: tools need messages (the chat template renders them)")
@@ -184,7 +203,7 @@ def validate(request: pdserve_pb2.GenerateRequest, model: ModelContext,
         raise InvalidArgument(f"sampling.{exc}") from None
     return ValidRequest(request_id, tuple(prompt_ids), params, session_id,
                         tools=tools if tools is not None and tools.choice != "none" else None,
-                        tool_call_parser=model.tool_call_parser)
+                        tool_call_parser=model.tool_call_parser, lora=lora)
 
 
 def _chat_message(m: pdserve_pb2.ChatMessage) -> dict[str, Any]:

@@ -52,7 +52,7 @@ class GemmaDecoderLayer(torch.nn.Module):
         hidden = self.self_attn(hidden, positions, kv_cache, meta)
         hidden = self.post_attention_layernorm(hidden)[0]
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
-        hidden = self.mlp(hidden)
+        hidden = self.mlp(hidden, meta.lora)
         return self.post_feedforward_layernorm(hidden)[0], residual
 
     def block(self) -> None:

@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 
 from pdserve.engine.attention import Attention
-from pdserve.engine.config import ModelConfig
-from pdserve.engine.models.moe import SparseMoe, is_moe_layer
+from pdserve.engine.config import ModelConfig, is_moe_layer
+from pdserve.engine.models.moe import SparseMoe
 from pdserve.engine.models.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -28,6 +28,7 @@ from pdserve.engine.models.rope import rope_tables
 from pdserve.kernels.attention_metadata import AttentionMetadata
 from pdserve.kernels.backend import KernelBackend
 from pdserve.kernels.decoder_layers import DecoderBlock
+from pdserve.kernels.lora_mapping import LoRAMapping
 
 
 class RMSNorm(torch.nn.Module):
@@ -79,7 +80,7 @@ class LlamaAttention(torch.nn.Module):
         kv_cache: tuple[torch.Tensor, ...],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)  # [T, (H + 2 Hkv) * D]
+        qkv = self.qkv_proj(hidden, meta.lora)  # [T, (H + 2 Hkv) * D]
         d = self.head_dim
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
         q = q.reshape(-1, self.num_heads, d)  # [T, H, D]
@@ -90,7 +91,7 @@ class LlamaAttention(torch.nn.Module):
             k = self.k_norm(k.reshape(-1, d))[0].reshape(-1, self.num_kv_heads, d)
         self.ops.rotary_embedding(q, k, positions, *self.rope)
         out = self.attn(q, k, v, kv_cache, meta)  # [T, H, D]
-        return self.o_proj(out.reshape(-1, self.num_heads * d))
+        return self.o_proj(out.reshape(-1, self.num_heads * d), meta.lora)
 
 
 class LlamaMLP(torch.nn.Module):
@@ -104,8 +105,8 @@ class LlamaMLP(torch.nn.Module):
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, shards, False, tp, **kw)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, **kw)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x, lora)), lora)
 
 
 class LlamaDecoderLayer(torch.nn.Module):
@@ -125,7 +126,9 @@ class LlamaDecoderLayer(torch.nn.Module):
         hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, positions, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        if isinstance(self.mlp, SparseMoe):  # experts take no adapter
+            return self.mlp(hidden), residual
+        return self.mlp(hidden, meta.lora), residual
 
     def block(self) -> DecoderBlock | None:
         """This layer as the standard block a backend may run fused (after prepare_weights),
@@ -143,6 +146,9 @@ class LlamaDecoderLayer(torch.nn.Module):
             q_norm=attn.q_norm.weight if attn.q_norm is not None else None,
             k_norm=attn.k_norm.weight if attn.k_norm is not None else None,
             window=attn.attn.window,
+            loras=None if attn.qkv_proj.lora is None else tuple(
+                linear.lora.weights for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                   mlp.down_proj)),
         )
 
 

@@ -21,25 +21,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.config import ModelConfig
+from pdserve.engine.config import ModelConfig, num_experts
 from pdserve.engine.models.parallel import FusedExperts, TensorParallel
 from pdserve.kernels.backend import KernelBackend
 from pdserve.kernels.quant_weights import QuantizedWeight, dequantize
-
-
-def num_experts(hf) -> int:
-    """Qwen3-MoE names it num_experts, Mixtral num_local_experts."""
-    return getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", 0) or 0
-
-
-def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
-    """Whether layer `index` routes to experts: every layer of Mixtral; Qwen3-MoE's layers
-    outside `mlp_only_layers` at every `decoder_sparse_step`-th place."""
-    hf = cfg.hf_config
-    if hf is None or not num_experts(hf):
-        return False
-    step = getattr(hf, "decoder_sparse_step", 1) or 1
-    return index not in (getattr(hf, "mlp_only_layers", None) or ()) and (index + 1) % step == 0
 
 
 class Router(torch.nn.Module):

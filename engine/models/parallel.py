@@ -6,19 +6,33 @@ Weights load straight into their final (sharded, fused) layout through each para
 `prepare_weights` then hands every linear's loaded weight to the kernel backend, which returns
 it in the layout its kernel reads (`KernelBackend.prepare_linears`); a linear runs as
 `kernel(x, bias)` from then on. With `tp.size == 1` no collective runs.
+
+With LoRA enabled, each adaptable linear also holds `lora`, its adapters' slots
+(`engine.lora_slots.LoRAStack`), and adds their deltas for the tokens of a step that use one;
+`lora_shard` cuts an adapter's A and B as the linear's own weight is cut.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.backend import ExpertsKernel, KernelBackend, LinearKernel
 from pdserve.kernels.decoder_layers import DecoderLayers
+from pdserve.kernels.lora_mapping import LoRAMapping, LoRAWeights
 from pdserve.kernels.quant_weights import QuantizedWeight, cat_rows, dequantize
+
+
+class LinearLoRA(Protocol):
+    """A linear's adapter slots (`engine.lora_slots.LoRAStack`)."""
+
+    weights: LoRAWeights
+
+    def __call__(self, y: torch.Tensor, x: torch.Tensor, mapping: LoRAMapping) -> None:
+        """Add to y each token's adapter delta (in place)."""
 
 
 @dataclass(frozen=True)
@@ -70,9 +84,18 @@ class ParallelLinear(torch.nn.Module):
         super().__init__()
         kw = {"dtype": dtype, "device": device}
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **kw), False)
+        self.out_features, self.in_features = out_features, in_features  # this rank's
         self.dtype = dtype  # of activations: a quantized kernel's scales are cast to it
         self.quantized: QuantizedWeight | None = None
         self.kernel: LinearKernel | None = None  # see prepare_weights
+        self.lora: LinearLoRA | None = None  # its adapters' slots, with LoRA enabled
+
+    def _with_lora(self, y: torch.Tensor, x: torch.Tensor, lora: LoRAMapping | None
+                   ) -> torch.Tensor:
+        """y plus, for each token that runs an adapter, that adapter's delta."""
+        if lora is not None and self.lora is not None:
+            self.lora(y, x, lora)
+        return y
 
     def loaded(self) -> torch.Tensor | QuantizedWeight:
         return self.quantized if self.quantized is not None else self.weight
@@ -132,8 +155,20 @@ class ColumnParallelLinear(ParallelLinear):
                              f"quantized ({', '.join(self._parts)}) and partly dense")
         return super().loaded()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel(x, self.bias)
+    @property
+    def lora_slices(self) -> dict[str, int]:
+        """The slices an adapter adapts one by one (q/k/v, gate/up), with this rank's rows."""
+        return self.shard_rows
+
+    def lora_shard(self, name: str, a: torch.Tensor, b: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """An adapter's A [r, in] and B [rows, r] of slice `name`, cut for this rank: B's
+        rows as the weight's (A whole)."""
+        rows = self.shard_rows[name]
+        return a, b.narrow(0, self.tp.rank * rows, rows)
+
+    def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
+        return self._with_lora(self.kernel(x, self.bias), x, lora)
 
 
 class RowParallelLinear(ParallelLinear):
@@ -154,8 +189,18 @@ class RowParallelLinear(ParallelLinear):
         else:
             self.weight.data.copy_(local)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.kernel(x))
+    @property
+    def lora_slices(self) -> dict[str, int]:
+        return {"": self.out_features}
+
+    def lora_shard(self, name: str, a: torch.Tensor, b: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """An adapter's A [r, in] cut by columns as the weight is (B whole): each rank's
+        partial delta B (A_rank x_rank) joins the all-reduce of its partial output."""
+        return a.narrow(1, self.tp.rank * self.cols, self.cols), b
+
+    def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
+        return self.tp.all_reduce(self._with_lora(self.kernel(x), x, lora))
 
 
 class VocabParallelEmbedding(torch.nn.Module):

@@ -31,8 +31,11 @@ class DraftProposer:
     cheap = False
 
     def __init__(self, config: EngineConfig, draft: ModelConfig, kv_cache: KVCacheManager):
-        """`config`: the target engine's, its cache already sized for both models."""
-        self.runner = ModelRunner(replace(config, model=draft, speculative=None, num_threads=None))
+        """`config`: the target engine's, its cache already sized for both models. The draft
+        runs without the target's LoRA adapters (it only proposes: the target verifies with
+        them)."""
+        self.runner = ModelRunner(replace(config, model=draft, speculative=None, num_threads=None,
+                                          lora=None))
         self.kv_cache = kv_cache
         self._done: dict[str, int] = {}  # request id -> leading positions the draft computed
 

@@ -15,6 +15,7 @@ from pdserve.kernels.backend import (
 )
 from pdserve.kernels.cpu import fused_moe, huge_pages, packed_linear, quant_linear
 from pdserve.kernels.cpu.decoder_layers import CpuDecoderLayers
+from pdserve.kernels.cpu.lora import lora_expand_cpu, lora_shrink_cpu
 from pdserve.kernels.cpu.paged_attention import (
     available,
     paged_decode_attention_cpu,
@@ -31,10 +32,10 @@ from pdserve.kernels.reference.linear import DenseLinear
 
 class CpuBackend(KernelBackend):
     """Decode and prefill attention reading K/V in place, RMSNorm, RoPE, SiLU * up, the K/V
-    store and the structured-output token mask in C; bf16 linears packed for `linear_bf16.c`
-    (or oneDNN) in huge pages, quantized ones for torch's int4/int8 CPU ops; a bf16 layer's
-    step and a bf16 MoE layer's experts each as one C call. int8 caches and the KV transfer's
-    block copies run the references (memcpy-bound on a CPU)."""
+    store, the structured-output token mask and LoRA's shrink and expand in C; bf16 linears
+    packed for `linear_bf16.c` (or oneDNN) in huge pages, quantized ones for torch's int4/int8
+    CPU ops; a bf16 layer's step and a bf16 MoE layer's experts each as one C call. int8 caches
+    and the KV transfer's block copies run the references (memcpy-bound on a CPU)."""
 
     name = "cpu"
     store_kv = staticmethod(store_kv_cpu)
@@ -44,6 +45,8 @@ class CpuBackend(KernelBackend):
     rotary_embedding = staticmethod(rotary_embedding_cpu)
     silu_and_mul = staticmethod(silu_and_mul_cpu)
     apply_token_bitmask = staticmethod(apply_token_bitmask_cpu)
+    lora_shrink = staticmethod(lora_shrink_cpu)
+    lora_expand = staticmethod(lora_expand_cpu)
     decoder_layers = CpuDecoderLayers
 
     @staticmethod

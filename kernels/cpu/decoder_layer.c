@@ -22,6 +22,13 @@
  * `parts` says which halves run: ATTENTION (norm, QKV, RoPE, store, attention, O) and MLP
  * (norm, gate/up, SiLU * up, down). Under tensor parallelism the caller all-reduces the
  * hidden state between the halves (the O and down projections give partial sums).
+ *
+ * LoRA: a step with adapters (`Step.lora_starts` not NULL) adds each token's adapter delta
+ * right after each of the four linears, as the module path does (`ParallelLinear._with_lora`:
+ * after the QKV bias, before the q/k norms; O's and down's before the all-reduce, each rank's
+ * partial delta joining its partial sum), through lora.c's shrink and expand: the very calls
+ * of `lora_shrink_cpu` / `lora_expand_cpu`, on the same inputs (the normed rows, the attention
+ * output, SiLU * up), so the result stays bit-identical. A base step (NULL) skips it all.
  */
 #include <stdint.h>
 #include <string.h>
@@ -52,6 +59,13 @@ typedef int (*attention_fn)(const void *q, int64_t q_stride, const void *k_cache
                             int64_t head_dim, int64_t block_size, int64_t max_context,
                             int dtype, float scale, int64_t window, float soft_cap);
 typedef void (*silu_and_mul_fn)(const uint16_t *x, uint16_t *out, int64_t rows, int64_t width);
+typedef int (*lora_shrink_fn)(const void *x, const void *a, float *buf, const int32_t *starts,
+                              const int32_t *slots, int64_t num_segments, int64_t num_tokens,
+                              int64_t in, int64_t width, int dtype);
+typedef int (*lora_expand_fn)(void *y, const float *buf, const void *b, const int64_t *offsets,
+                              int64_t num_slices, const int32_t *starts, const int32_t *slots,
+                              int64_t num_segments, int64_t num_tokens, int64_t out,
+                              int64_t rank, int dtype);
 
 typedef struct {
     rms_norm_fn rms_norm;
@@ -60,7 +74,20 @@ typedef struct {
     store_kv_fn store_kv;
     attention_fn attention;
     silu_and_mul_fn silu_and_mul;
+    lora_shrink_fn lora_shrink;
+    lora_expand_fn lora_expand;
 } Kernels;
+
+/* One linear's adapter slots (kernels/lora_mapping.py LoRAWeights), bf16: a [slots][slices *
+ * rank][in], b [slots][out][rank], offsets [slices + 1] (each slice's rows of out). a NULL:
+ * the layer is bound without adapters. */
+typedef struct {
+    const uint16_t *a, *b;
+    const int64_t *offsets;
+    int64_t num_slices, rank;
+} Adapter;
+
+enum { LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN }; /* Layer.lora, in the linears' order */
 
 /* A layer's weights as packed at load (linears in linear_bf16.c's layout), this rank's
  * shard of the heads and of the intermediate size. qkv_bias, q_norm and k_norm ([head_dim])
@@ -71,6 +98,7 @@ typedef struct {
     const uint16_t *q_norm, *k_norm;
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, window;
     float eps, scale;
+    Adapter lora[4];
 } Layer;
 
 /* A step's tokens and the buffers every layer reuses ([num_tokens, ...] bf16 rows). */
@@ -84,6 +112,11 @@ typedef struct {
     int64_t max_context, block_size, num_slots;
     uint16_t *hidden, *residual;       /* in and out: the layer's input, then its output */
     uint16_t *normed, *qkv, *attn, *gate_up, *act;
+    /* LoRA (kernels/lora_mapping.py LoRAMapping): runs of tokens of one slot (-1: none);
+     * lora_starts NULL: a base step. lora_buf: [num_tokens, the widest slices * rank] fp32. */
+    const int32_t *lora_starts, *lora_slots; /* [lora_segments + 1], [lora_segments] */
+    int64_t lora_segments;
+    float *lora_buf;
 } Step;
 
 /* Heads per call of the norm kernel: under the row count at which it spreads its rows over
@@ -110,6 +143,32 @@ static void head_norms(const Layer *l, uint16_t *q, uint16_t *k, int64_t stride,
     }
 }
 
+/* y [t][out] += the adapters' delta of x [t][in] (shrink into lora_buf, then expand), as
+ * `KernelBackend.add_lora`; nothing on a base step or a layer bound without adapters. */
+static int add_lora(const Layer *l, const Step *s, int which, const uint16_t *x, uint16_t *y,
+                    int64_t in, int64_t out) {
+    const Adapter *ad = &l->lora[which];
+    if (!s->lora_starts || !ad->a)
+        return 0;
+    const Kernels *f = l->kernels;
+    int64_t t = s->num_tokens, width = ad->num_slices * ad->rank;
+    if (f->lora_shrink(x, ad->a, s->lora_buf, s->lora_starts, s->lora_slots, s->lora_segments,
+                       t, in, width, BF16))
+        return OUT_OF_MEMORY;
+    if (f->lora_expand(y, s->lora_buf, ad->b, ad->offsets, ad->num_slices, s->lora_starts,
+                       s->lora_slots, s->lora_segments, t, out, ad->rank, BF16))
+        return OUT_OF_MEMORY;
+    return 0;
+}
+
+/* y [t][n] = x [t][k] W^T (+ bias), then adapter `which`'s delta: one linear of the modules. */
+static int project(const Layer *l, const Step *s, int which, const uint16_t *x,
+                   const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t n, int64_t k) {
+    if (l->kernels->linear(x, w, bias, y, s->num_tokens, n, k))
+        return OUT_OF_MEMORY;
+    return add_lora(l, s, which, x, y, k, n);
+}
+
 /* Norm, QKV, (q/k norms,) RoPE, store, attention, O: `hidden` becomes the attention's output. */
 static int attention_half(const Layer *l, const Step *s, char *k_cache, char *v_cache,
                           int first) {
@@ -124,7 +183,7 @@ static int attention_half(const Layer *l, const Step *s, char *k_cache, char *v_
         f->rms_norm(s->hidden, s->residual, l->input_norm, s->normed, s->residual, t, l->hidden,
                     l->eps, BF16);
     }
-    if (f->linear(s->normed, l->qkv, l->qkv_bias, s->qkv, t, qkv_size, l->hidden))
+    if (project(l, s, LORA_QKV, s->normed, l->qkv, l->qkv_bias, s->qkv, qkv_size, l->hidden))
         return OUT_OF_MEMORY;
     uint16_t *q = s->qkv, *k = q + q_size, *v = k + kv_size;
     if (l->q_norm) head_norms(l, q, k, qkv_size, t);
@@ -138,9 +197,7 @@ static int attention_half(const Layer *l, const Step *s, char *k_cache, char *v_
                      s->context_lens, s->attn, t, l->num_heads, l->num_kv_heads, d,
                      s->block_size, s->max_context, BF16, l->scale, l->window, 0.0f))
         return OUT_OF_MEMORY;
-    if (f->linear(s->attn, l->o_proj, NULL, s->hidden, t, l->hidden, q_size))
-        return OUT_OF_MEMORY;
-    return 0;
+    return project(l, s, LORA_O, s->attn, l->o_proj, NULL, s->hidden, l->hidden, q_size);
 }
 
 /* Norm, gate/up, SiLU * up, down: `hidden` becomes the MLP's output. */
@@ -149,12 +206,11 @@ static int mlp_half(const Layer *l, const Step *s) {
     int64_t t = s->num_tokens;
     f->rms_norm(s->hidden, s->residual, l->post_norm, s->normed, s->residual, t, l->hidden,
                 l->eps, BF16);
-    if (f->linear(s->normed, l->gate_up, NULL, s->gate_up, t, 2 * l->intermediate, l->hidden))
+    if (project(l, s, LORA_GATE_UP, s->normed, l->gate_up, NULL, s->gate_up,
+                2 * l->intermediate, l->hidden))
         return OUT_OF_MEMORY;
     f->silu_and_mul(s->gate_up, s->act, t, l->intermediate);
-    if (f->linear(s->act, l->down, NULL, s->hidden, t, l->hidden, l->intermediate))
-        return OUT_OF_MEMORY;
-    return 0;
+    return project(l, s, LORA_DOWN, s->act, l->down, NULL, s->hidden, l->hidden, l->intermediate);
 }
 
 /* 0, SLOT_PAST_CACHE (nothing of this layer's K/V written), or OUT_OF_MEMORY. */

@@ -17,6 +17,13 @@ Bound only where every layer fits (a `DecoderBlock` whose linears are bf16 in `l
 packed layout, none quantized, RoPE over the whole head; Qwen3's per-head q/k norms and sliding
 windows included); a step takes it only with plain bf16 caches (an int8 cache keeps the module
 path). Elsewhere the modules serve, as on any backend.
+
+LoRA: a layer binds its adapters' slots (`DecoderBlock.loras`, bf16 as `lora.c` takes them) and
+the C adds each linear's delta right after it, through lora.c's shrink and expand: the calls
+the module path makes (`lora_shrink_cpu`, `lora_expand_cpu`), so an adapter's step stays
+bit-identical too, without the dozen-calls-per-layer cost the C layer exists to remove. A step
+with adapters (`meta.lora`) runs fused only where every layer bound its slots and the mapping
+is what the C reads (int32 on the CPU, its slots within the weights'); else the modules serve.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from pdserve.kernels.attention_metadata import AttentionMetadata
 from pdserve.kernels.cpu import build
 from pdserve.kernels.cpu.packed_linear import BlockedLinear, blocked_available, tile_cols
 from pdserve.kernels.decoder_layers import DecoderBlock, DecoderLayers
+from pdserve.kernels.lora_mapping import LoRAMapping, LoRAWeights
 
 ATTENTION, MLP = 1, 2  # the halves of a layer (`parts`)
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -45,11 +53,17 @@ _KERNELS = (
     ("store_kv", "store_kv", "store_kv"),
     ("attention", "paged_decode_attention", "paged_decode_attention_variant"),
     ("silu_and_mul", "silu_and_mul", "silu_and_mul_bf16"),
+    ("lora_shrink", "lora", "lora_shrink"),
+    ("lora_expand", "lora", "lora_expand"),
 )
 
 
 class _Kernels(ctypes.Structure):
     _fields_ = [(field, _P) for field, _, _ in _KERNELS]
+
+
+class _Adapter(ctypes.Structure):  # one linear's LoRA slots; a NULL: none bound
+    _fields_ = [("a", _P), ("b", _P), ("offsets", _P), ("num_slices", _I64), ("rank", _I64)]
 
 
 class _Layer(ctypes.Structure):
@@ -60,6 +74,7 @@ class _Layer(ctypes.Structure):
         *((name, _I64) for name in ("hidden", "num_heads", "num_kv_heads", "head_dim",
                                     "intermediate", "window")),
         ("eps", _F), ("scale", _F),
+        ("lora", _Adapter * 4),  # qkv, o_proj, gate_up, down
     ]
 
 
@@ -70,6 +85,7 @@ class _Step(ctypes.Structure):
         ("max_context", _I64), ("block_size", _I64), ("num_slots", _I64),
         *((name, _P) for name in ("hidden", "residual", "normed", "qkv", "attn", "gate_up",
                                   "act")),
+        ("lora_starts", _P), ("lora_slots", _P), ("lora_segments", _I64), ("lora_buf", _P),
     ]
 
 
@@ -104,6 +120,8 @@ class PreparedLayer:
 
     struct: _Layer
     weights: tuple[torch.Tensor, ...]
+    lora_slots: int = 0  # the slots its bound adapters hold (0: none bound)
+    lora_width: int = 0  # its widest linear's slices * rank: the shrink's columns
 
     @property
     def dims(self) -> tuple[int, int, int, int, int]:  # hidden, heads, kv heads, head, inter
@@ -140,13 +158,50 @@ def bind(block: DecoderBlock) -> PreparedLayer | None:
         gate_up.data_ptr(), down.data_ptr(), _address(block.q_norm), _address(block.k_norm),
         hidden, heads, kv_heads, dim, intermediate, block.window or 0, block.eps, dim**-0.5,
     )
-    return PreparedLayer(struct, (qkv, o_proj, gate_up, down) + vectors)
+    packed = (qkv, o_proj, gate_up, down)
+    kept, slots, width = _bind_loras(struct, block.loras, packed)
+    return PreparedLayer(struct, packed + vectors + kept, slots, width)
+
+
+def _bind_loras(
+    struct: _Layer, loras: Sequence[LoRAWeights] | None, packed: Sequence[torch.Tensor],
+) -> tuple[tuple[torch.Tensor, ...], int, int]:  # what it points into, slots, widest R
+    """The layer's adapter slots set in `struct.lora` where all four fit lora.c (bf16, on the
+    CPU, contiguous, their linear's shape, one slot count); else none (NULL: an adapter's
+    step then keeps the module path) and (), 0, 0."""
+    if loras is None or not all(_lora_fits(w, p, loras[0].a.shape[0])
+                                for w, p in zip(loras, packed)):
+        return (), 0, 0
+    kept, width = [], 0
+    for i, w in enumerate(loras):
+        offsets = torch.tensor(w.slice_offsets, dtype=torch.int64)
+        num_slices, rank = len(w.slice_offsets) - 1, w.b.shape[2]
+        struct.lora[i] = _Adapter(w.a.data_ptr(), w.b.data_ptr(), offsets.data_ptr(),
+                                  num_slices, rank)
+        kept += (w.a, w.b, offsets)
+        width = max(width, num_slices * rank)
+    return tuple(kept), loras[0].a.shape[0], width
+
+
+def _lora_fits(w: LoRAWeights, packed: torch.Tensor, slots: int) -> bool:
+    """Whether lora.c takes w beside its linear (`packed`): a [slots, n R, in], b [slots,
+    out, R] bf16 contiguous CPU tensors, offsets rising from 0 to out."""
+    offsets, (a, b) = w.slice_offsets, (w.a, w.b)
+    plain = all(t.dtype == torch.bfloat16 and t.is_cpu and t.is_contiguous() and t.dim() == 3
+                for t in (a, b))
+    return (plain and a.shape[0] == b.shape[0] == slots > 0 and b.shape[2] > 0
+            and a.shape[1] == (len(offsets) - 1) * b.shape[2]
+            and a.shape[2] == _in_features(packed) and b.shape[1] == _out_features(packed)
+            and offsets[0] == 0 and offsets[-1] == b.shape[1]
+            and all(lo < hi for lo, hi in zip(offsets, offsets[1:])))
 
 
 class DecoderStep:
     """One step's tokens for every layer: each token's block table row and context (its
     position + 1), slots, RoPE tables, and the bf16 scratch rows the layers reuse. `hidden`
-    ([num_tokens, hidden], contiguous bf16) is the stream the layers update in place."""
+    ([num_tokens, hidden], contiguous bf16) is the stream the layers update in place. With
+    `lora` (the step's adapters; None: a base step, which the C then skips LoRA for), its
+    segments and an fp32 [num_tokens, lora_width] buffer for each linear's shrink."""
 
     def __init__(
         self,
@@ -158,6 +213,8 @@ class DecoderStep:
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [max_positions, head_dim] fp32
         block_size: int,
         num_slots: int,
+        lora: LoRAMapping | None = None,
+        lora_width: int = 0,  # the widest linear's slices * rank
     ):
         size, heads, kv_heads, head_dim, inter = layer.dims
         t = hidden.shape[0]
@@ -175,9 +232,19 @@ class DecoderStep:
             self.block_tables.data_ptr(), self.block_tables.stride(0),
             self.context_lens.data_ptr(), int(self.context_lens.max()) if t else 0,
             block_size, num_slots, hidden.data_ptr(), self.residual.data_ptr(),
-            *(b.data_ptr() for b in self.buffers),
+            *(b.data_ptr() for b in self.buffers), *self._lora(lora, t, lora_width),
         )
         self.rope = rope  # kept alive with the pointers above
+
+    def _lora(self, lora: LoRAMapping | None, t: int, width: int) -> tuple:
+        """Step.lora_starts, lora_slots, lora_segments, lora_buf (NULLs for a base step); the
+        mapping and the buffer kept alive with the step."""
+        self.lora = lora
+        if lora is None:
+            return None, None, 0, None
+        self.lora_buf = torch.empty(t, width, dtype=torch.float32)
+        return (lora.segment_starts.data_ptr(), lora.segment_slots.data_ptr(),
+                lora.segment_slots.shape[0], self.lora_buf.data_ptr())
 
 
 def decoder_layer_cpu(
@@ -194,7 +261,7 @@ def decoder_layer_cpu(
     if rc == 1:
         raise IndexError(f"decoder_layer: a slot is past the cache's {step.struct.num_slots}")
     if rc:
-        raise MemoryError("decoder_layer: attention scratch allocation failed")
+        raise MemoryError("decoder_layer: a kernel's scratch allocation failed")
 
 
 def _vectors(block: DecoderBlock) -> tuple[torch.Tensor, ...] | None:
@@ -241,6 +308,8 @@ class CpuDecoderLayers(DecoderLayers):
         self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.parts = (ATTENTION | MLP,)
+        # the adapters' slots where every layer bound them (0: not all did), the widest R
+        self.lora_slots = self.lora_width = 0
 
     def prepare(self) -> None:
         blocks = [layer.block() for layer in self]
@@ -249,6 +318,8 @@ class CpuDecoderLayers(DecoderLayers):
             return
         self.fused, self.rope, self.all_reduce = prepared, blocks[0].rope, blocks[0].all_reduce
         self.parts = (ATTENTION | MLP,) if self.all_reduce is None else (ATTENTION, MLP)
+        self.lora_slots = min(layer.lora_slots for layer in prepared)
+        self.lora_width = max(layer.lora_width for layer in prepared)
 
     def forward(
         self,
@@ -258,12 +329,13 @@ class CpuDecoderLayers(DecoderLayers):
         meta: AttentionMetadata,
         layer_hook: Callable[[int], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # hidden, residual: for the final norm
-        if self.fused is None or not _plain_bf16(kv_caches):
+        if (self.fused is None or not _plain_bf16(kv_caches)
+                or not self._takes(meta.lora, hidden.shape[0])):
             return super().forward(hidden, positions, kv_caches, meta, layer_hook)
         num_blocks, block_size = kv_caches[0][0].shape[:2]
         step = DecoderStep(self.fused[0], hidden.contiguous(), positions, meta.slot_mapping,
                            token_block_tables(meta), self.rope, block_size,
-                           num_blocks * block_size)
+                           num_blocks * block_size, meta.lora, self.lora_width)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.fused, kv_caches)):
             for part in self.parts:
                 decoder_layer_cpu(layer, step, k_cache, v_cache, part, first=i == 0)
@@ -272,6 +344,19 @@ class CpuDecoderLayers(DecoderLayers):
             if layer_hook is not None:
                 layer_hook(i)
         return step.hidden, step.residual
+
+    def _takes(self, lora: LoRAMapping | None, num_tokens: int) -> bool:
+        """Whether the C layers run a step with these adapters (None: a base step, always):
+        every layer's bound, the segments int32 on the CPU and the slots within the weights'
+        (else the modules serve, and say what is wrong)."""
+        if lora is None:
+            return True
+        starts, slots = lora.segment_starts, lora.segment_slots
+        return (self.lora_slots > 0 and lora.token_slots.shape[0] == num_tokens
+                and all(t.is_cpu and t.dtype == torch.int32 and t.is_contiguous()
+                        for t in (starts, slots))
+                and starts.shape[0] == slots.shape[0] + 1
+                and (not lora.slots or lora.slots[-1] < self.lora_slots))
 
 
 def _plain_bf16(kv_caches: Sequence[tuple[torch.Tensor, ...]]) -> bool:

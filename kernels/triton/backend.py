@@ -19,6 +19,7 @@ from pdserve.kernels.reference.fused_moe import cast_experts, expert_shapes
 from pdserve.kernels.reference.linear import DenseLinear, QuantLinearRef
 from pdserve.kernels.triton.fused_moe import TritonExperts, prepare_quantized_experts
 from pdserve.kernels.triton.launch import interpreting
+from pdserve.kernels.triton.lora import lora_expand, lora_shrink
 from pdserve.kernels.triton.pack_blocks import pack_blocks, unpack_blocks
 from pdserve.kernels.triton.paged_decode_attention import (
     paged_decode_attention,
@@ -53,6 +54,8 @@ class TritonBackend(KernelBackend):
     pack_blocks = staticmethod(pack_blocks)
     unpack_blocks = staticmethod(unpack_blocks)
     apply_token_bitmask = staticmethod(apply_token_bitmask)
+    lora_shrink = staticmethod(lora_shrink)
+    lora_expand = staticmethod(lora_expand)
 
     def refuses(self, device: torch.device) -> str | None:
         if device.type != "cuda" and not interpreting():

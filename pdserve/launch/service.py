@@ -200,7 +200,8 @@ class Service:
                 speculative_config=speculative if role == "decode" else None,
                 redis_namespace=s.redis_namespace, max_reservation_s=reservation_s,
                 tp_timeout_s=reservation_s + 30.0,
-                enable_expert_parallel=s.enable_expert_parallel and role == "decode", **tls,
+                enable_expert_parallel=s.enable_expert_parallel and role == "decode",
+                lora_config=s.lora_config(), **tls,
             )
 
         self._spec = spec  # the planner builds the workers it adds the same way

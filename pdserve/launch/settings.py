@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import defaults
+from pdserve.engine.config import LoRAConfig
 from pdserve.engine.spec.config import parse_speculative_config
 from pdserve.redis_keys import DEFAULT_NAMESPACE
+from pdserve.router.lora_adapters import parse_lora_modules
 from pdserve.router.tools import TOOL_PARSERS
 from pdserve.tls import TLSFiles
 from pdserve.worker_grpc import worker_tls
@@ -59,6 +61,15 @@ class ServeSettings:
         None, "speculative decoding in the decode (and colocated) workers, JSON as vLLM's: "
         '{"method": "ngram", "num_speculative_tokens": 4} ("draft": with "model": DIR); '
         "prefill workers never speculate; a YAML file may give the mapping itself", json=True)
+    enable_lora: bool = _opt(False, "serve LoRA adapters over the base model (vLLM's)")
+    lora_modules: str | None = _opt(
+        None, "LoRA adapters served from the start: name=path entries (spaces or commas "
+        "between), or a JSON object {name: path}; a client picks one by the request's model; "
+        "each path is a PEFT directory on every node (turns enable_lora on)", json=True)
+    max_loras: int = _opt(1, "LoRA adapters one engine step may run (device slots)")
+    max_lora_rank: int = _opt(16, "the highest LoRA rank served")
+    max_cpu_loras: int | None = _opt(
+        None, "LoRA adapters each worker keeps in host memory (default: max_loras)")
     # pools
     mode: str = _opt("disaggregated", "disaggregated | colocated (each decode worker prefills "
                      "its own prompts; no prefill pool: the baseline to compare with)")
@@ -172,6 +183,8 @@ class ServeSettings:
             raise ValueError("api_token and api_token_file are both set: give the token(s) "
                              "one way (api_token_file keeps them out of argv and env)")
         parse_speculative_config(self.speculative_config)  # ValueError naming the bad field
+        self.lora_config()
+        parse_lora_modules(self.lora_modules)
         if self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got "
                              f"{self.tool_call_parser!r}")
@@ -179,6 +192,16 @@ class ServeSettings:
             raise ValueError(
                 f"kv_transfer_timeout_s must be a positive number, got {self.kv_transfer_timeout_s}"
             )
+
+    def lora_config(self) -> dict[str, Any] | None:
+        """The workers' LoRAConfig fields (checked), or None: LoRA is on with enable_lora or
+        lora_modules."""
+        if not (self.enable_lora or self.lora_modules):
+            return None
+        config = {"max_loras": self.max_loras, "max_lora_rank": self.max_lora_rank,
+                  "max_cpu_loras": self.max_cpu_loras}
+        LoRAConfig(**config)
+        return config
 
     def tls(self) -> TLSFiles | None:
         """The fronts' TLS files (checked to exist), or None when TLS is off."""

@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP API of a router (Starlette), calling the router in-process.
 
-    GET  /v1/models               the served model
+    GET  /v1/models               the served model, and its LoRA adapters (with `parent`)
     POST /v1/completions          text or token-id prompts (one or several), n choices each
     POST /v1/chat/completions     messages, under the model's chat template
+    POST /v1/load_lora_adapter    {"lora_name", "lora_path"}: serve one more adapter
+    POST /v1/unload_lora_adapter  {"lora_name"}: stop serving it (requests in flight finish)
     GET  /health                  liveness: 200 while the process serves HTTP
     GET  /ready                   readiness: 200 when the router can serve, else 503
     GET  /metrics                 the router's Prometheus metrics
@@ -19,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -63,6 +65,8 @@ class OpenAIApp:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/ready", self.readiness, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
@@ -71,9 +75,47 @@ class OpenAIApp:
     async def models(self, request: Request) -> Response:
         self._authorize(request)
         model = self.router.model
-        return JSONResponse({"object": "list", "data": [{
-            "id": model.name, "object": "model", "created": self.created,
-            "owned_by": "pdserve", "root": model.name, "max_model_len": model.max_model_len}]})
+        card = {"object": "model", "created": self.created, "owned_by": "pdserve",
+                "max_model_len": model.max_model_len}
+        adapters = [{**card, "id": a.lora_name, "root": a.lora_path, "parent": model.name}
+                    for a in model.loras or ()]
+        return JSONResponse({"object": "list", "data": [
+            {**card, "id": model.name, "root": model.name, "parent": None}, *adapters]})
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's: serve the PEFT adapter at `lora_path` as `lora_name` (checked first)."""
+        body = await self._lora_body(request)
+        await self._change_loras(self.router.load_lora(body.get("lora_name"),
+                                                       body.get("lora_path")))
+        return Response(f"Success: LoRA adapter {body['lora_name']!r} added successfully.")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        body = await self._lora_body(request)
+        if self.router.model.loras.get(body.get("lora_name")) is None:
+            raise HTTPError(404, f"lora_name: no adapter {body.get('lora_name')!r} is loaded",
+                            "lora_name")
+        await self._change_loras(self.router.unload_lora(body.get("lora_name")))
+        return Response(f"Success: LoRA adapter {body['lora_name']!r} removed successfully.")
+
+    async def _lora_body(self, request: Request) -> dict[str, Any]:
+        self._authorize(request)
+        if self.router.model.loras is None:
+            raise HTTPError(400, "LoRA is not enabled on this server (--enable-lora)")
+        body = await self._body(request)
+        if not isinstance(body, dict):
+            raise HTTPError(400, "the request body must be a JSON object")
+        return body
+
+    @staticmethod
+    async def _change_loras(change: Awaitable[Any]) -> None:
+        """Await the router's change of its adapters; a ValueError is a 400 naming the field
+        (lora_name, lora_path)."""
+        try:
+            await change
+        except ValueError as exc:
+            message = str(exc)
+            field = "lora_path" if message.startswith("lora_path") else "lora_name"
+            raise HTTPError(400, message, field) from None
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, parse_completion)
@@ -97,17 +139,17 @@ class OpenAIApp:
         received = time.monotonic()
         try:
             parsed = parse(await self._body(request), request.headers.get("x-session-id", ""))
-            model = self.router.model
-            if parsed.model and parsed.model != model.name:
-                raise HTTPError(404, f"model {parsed.model!r} is not served here; this server "
-                                     f"serves {model.name!r}", "model")
+            try:
+                self.router.model.lora(parsed.model)
+            except InvalidArgument as exc:
+                raise HTTPError(404, str(exc), "model") from None
             valid = await asyncio.to_thread(self._validate, parsed, tenant)
         except (InvalidArgument, HTTPError) as exc:
             self.router.metrics.count_request("invalid")
             status = exc.status if isinstance(exc, HTTPError) else 400
             return JSONResponse(error_body(status, exc), status_code=status)
         timeout = min(parsed.timeout_s or self.max_timeout_s, self.max_timeout_s)
-        answer = Choices(parsed, self.router.model.name, self.texts,
+        answer = Choices(parsed, parsed.model or self.router.model.name, self.texts,
                          self.router.model.tool_call_parser,
                          [v.prompt_token_ids for v in valid[::parsed.n]])
         return GenerationResponse(

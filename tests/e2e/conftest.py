@@ -31,11 +31,14 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="package")
-def tiny_service(ray_cluster, tiny_llama_dir):
-    """1 prefill + 1 decode worker, the router with its gRPC and OpenAI HTTP fronts, Redis."""
+def tiny_service(ray_cluster, tiny_llama_dir, tiny_lora_dirs):
+    """1 prefill + 1 decode worker, the router with its gRPC and OpenAI HTTP fronts, Redis;
+    the tiny model's three LoRA adapters served over it (two per engine step)."""
+    modules = " ".join(f"{name}={path}" for name, path in sorted(tiny_lora_dirs.items()))
     settings = tiny_settings(tiny_llama_dir, ray_cluster.address, http_port=free_port(),
                              max_inflight_requests=MAX_INFLIGHT, max_queued_requests=MAX_QUEUED,
-                             redis_namespace=SHARED_NAMESPACE)
+                             redis_namespace=SHARED_NAMESPACE, enable_lora=True,
+                             lora_modules=modules, max_loras=2)
     with running(settings) as service:
         yield service
 

@@ -25,6 +25,7 @@ import jsonschema
 import pytest
 
 from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.lora_request import LoRARequest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured_outputs_params import StructuredOutputsParams
 from pdserve.proto import pdserve_pb2, worker_pb2
@@ -58,6 +59,7 @@ PARAMS = {
         temperature=0.8, seed=6, max_tokens=MAX_TOKENS, ignore_eos=True, presence_penalty=0.3,
         repetition_penalty=1.2, structured_outputs=StructuredOutputsParams(json=json.dumps(ARRAY))),
 }
+LORA = "lora"  # greedy, with the tiny model's "all" adapter: the new worker reads it too
 DECODES = ("decode-0", "decode-1")
 SETTLE_S = 10.0  # spawned aborts and the load polls, on 2 shared cores
 
@@ -84,11 +86,20 @@ class Services:
 
 
 @pytest.fixture(scope="module")
-def undisturbed(tiny_llama_dir) -> dict[str, list[int]]:
+def adapter(tiny_lora_dirs) -> LoRARequest:
+    return LoRARequest("all", 1, str(tiny_lora_dirs["all"]))
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tiny_llama_dir, adapter) -> dict[str, list[int]]:
     """The offline engine's tokens for PROMPT, per sampling kind (the workers' engine)."""
     config = worker_spec(tiny_llama_dir, "reference").engine_config()
-    return {kind: run_engine(EngineCore(config), [list(PROMPT)], params)[0]
-            for kind, params in PARAMS.items()}
+    tokens = {kind: run_engine(EngineCore(config), [list(PROMPT)], params)[0]
+              for kind, params in PARAMS.items()}
+    tokens[LORA] = run_engine(EngineCore(config), [list(PROMPT)], PARAMS["greedy"],
+                              [adapter])[0]
+    assert tokens[LORA] != tokens["greedy"]
+    return tokens
 
 
 @pytest.fixture()
@@ -116,7 +127,9 @@ async def routed(model, services: Services, decodes=DECODES, **config):
         await router.close()
 
 
-def request(kind: str, rid: str = "req-1") -> ValidRequest:
+def request(kind: str, rid: str = "req-1", adapter: LoRARequest | None = None) -> ValidRequest:
+    if kind == LORA:
+        return ValidRequest(rid, PROMPT, PARAMS["greedy"], "", lora=adapter)
     return ValidRequest(rid, PROMPT, PARAMS[kind], "")
 
 
@@ -176,15 +189,15 @@ def failure(kind: str, router: Router, services: Services) -> Callable[[str], No
 
 @pytest.mark.parametrize(("how", "sampled"), [
     (how, sampled) for how in ("killed", "marked-down", "loop-dies")
-    for sampled in ("greedy", "seeded")] + [("killed", "constrained")])
+    for sampled in ("greedy", "seeded")] + [("killed", "constrained"), ("killed", LORA)])
 def test_the_stream_continues_on_the_other_decode_worker(model, services, undisturbed, how,
-                                                         sampled) -> None:
+                                                         sampled, adapter) -> None:
     async def main():
         async with routed(model, services) as router:
-            before = [m async for m in router.generate(request(sampled, "before"),
+            before = [m async for m in router.generate(request(sampled, "before", adapter),
                                                        time.monotonic())]
-            run = await asyncio.wait_for(
-                run_failing(router, request(sampled), failure(how, router, services)), 60)
+            run = await asyncio.wait_for(run_failing(
+                router, request(sampled, adapter=adapter), failure(how, router, services)), 60)
             return before, run, migrations(router, "ok"), await settled(services, router)
 
     before, run, migrated, held = asyncio.run(main())
@@ -287,8 +300,14 @@ async def _until(condition) -> None:
         await asyncio.sleep(0.005)
 
 
-@pytest.mark.parametrize("bad", [-1, len(PROMPT)])
-def test_worker_rpcs_refuse_a_bad_num_output_tokens(services, bad) -> None:
+@pytest.mark.parametrize(("field", "bad"), [
+    ("num_output_tokens", {"num_output_tokens": -1}),
+    ("num_output_tokens", {"num_output_tokens": len(PROMPT)}),
+    ("lora_path", {"lora": worker_pb2.LoRAAdapter(name="gone", id=1, path="/no/such/adapter")}),
+    ("lora_int_id", {"lora": worker_pb2.LoRAAdapter(name="x", id=0, path="/adapters/x")}),
+])
+def test_worker_rpcs_refuse_a_bad_field(services, field, bad) -> None:
+    """A bad migrated tail or LoRA adapter: INVALID_ARGUMENT naming it, nothing held."""
     p_channel, p = prefill_stub(services.prefill.address)
     d_channel, d = decode_stub(services.decode["decode-0"].address)
     prompt, source = list(PROMPT), source_of(services.prefill)
@@ -296,23 +315,23 @@ def test_worker_rpcs_refuse_a_bad_num_output_tokens(services, bad) -> None:
         calls = {
             "Reserve": lambda: d.Reserve(worker_pb2.ReserveRequest(
                 request_id="bad", prompt_token_ids=prompt, sampling=sampling(),
-                sources=[source], deadline=time.time() + 30, num_output_tokens=bad),
+                sources=[source], deadline=time.time() + 30, **bad),
                 metadata=AUTH, timeout=30),
             "Submit": lambda: d.Submit(worker_pb2.SubmitRequest(
-                request_id="bad", prompt_token_ids=prompt, sampling=sampling(),
-                num_output_tokens=bad), metadata=AUTH, timeout=30),
+                request_id="bad", prompt_token_ids=prompt, sampling=sampling(), **bad),
+                metadata=AUTH, timeout=30),
         }
         reserved = d.Reserve(worker_pb2.ReserveRequest(
             request_id="ok", prompt_token_ids=prompt, sampling=sampling(), sources=[source],
             deadline=time.time() + 30), metadata=AUTH, timeout=30)
         calls["Prefill"] = lambda: p.Prefill(worker_pb2.PrefillRequest(
             request_id="ok", prompt_token_ids=prompt, sampling=sampling(),
-            descriptor=reserved.descriptor, num_output_tokens=bad), metadata=AUTH, timeout=30)
+            descriptor=reserved.descriptor, **bad), metadata=AUTH, timeout=30)
         for name, call in calls.items():
             with pytest.raises(grpc.RpcError) as caught:
                 call()
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
-            assert "num_output_tokens" in caught.value.details(), name
+            assert field in caught.value.details(), name
         d.Abort(worker_pb2.WorkerAbortRequest(request_id="ok"), metadata=AUTH, timeout=30)
         assert not any(services.used_blocks().values())
     finally:

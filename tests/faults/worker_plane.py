@@ -41,7 +41,8 @@ def worker_spec(model_dir, worker_id: str, **limits) -> WorkerSpec:
     """The same engine as tests.workers.pd.engine_config (so a follower process matches)."""
     return WorkerSpec(worker_id=worker_id, model=str(model_dir), model_name=MODEL_NAME,
                       max_model_len=512, num_kv_blocks=NUM_BLOCKS, max_num_seqs=32,
-                      max_num_batched_tokens=512, num_threads=1, **limits)
+                      max_num_batched_tokens=512, num_threads=1,
+                      lora_config={"max_loras": 2, "max_lora_rank": 16}, **limits)
 
 
 def start_prefill(spec: WorkerSpec, secret: ClusterSecret) -> PrefillService:

@@ -21,6 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from pdserve.kernels.triton.fused_moe import _moe_gemm_kernel
+from pdserve.kernels.triton.lora import _lora_expand_kernel, _lora_shrink_kernel
 from pdserve.kernels.triton.pack_blocks import _pack_blocks_kernel
 from pdserve.kernels.triton.paged_decode_attention import (
     _paged_decode_attention_kernel,
@@ -125,6 +126,18 @@ def variants():
 
     yield ("token_bitmask fp32", _token_bitmask_kernel,
            {"logits_ptr": "fp32", "bitmask_ptr": "i32"}, dict(BLOCK=BITMASK_BLOCK))
+    segments = {"segment_starts_ptr": "i32", "segment_slots_ptr": "i32"}
+    for x, block_m in (("bf16", 16), ("fp32", 64)):  # decodes' blocks; a prefill chunk's
+        dot = tl.bfloat16 if x == "bf16" else tl.float32
+        yield (f"lora_shrink {x}", _lora_shrink_kernel,
+               {"buf_ptr": "fp32", "x_ptr": x, "a_ptr": x, **segments},
+               dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, DOT=dot,
+                    PRECISION="ieee" if x == "fp32" else "tf32"))
+        yield (f"lora_expand {x}", _lora_expand_kernel,
+               {"y_ptr": x, "buf_ptr": "fp32", "b_ptr": x, "slice_offsets_ptr": "i32",
+                **segments},
+               dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=16,
+                    PRECISION="ieee" if x == "fp32" else "tf32"))
     for gated, x in ((True, "bf16"), (False, "bf16"), (True, "fp32")):  # w13 + SiLU*up; w2
         dot = tl.float32 if x == "fp32" else tl.bfloat16
         yield (f"fused_moe {'w13 gated' if gated else 'w2 weighted'} {x}", _moe_gemm_kernel,

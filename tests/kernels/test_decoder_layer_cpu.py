@@ -2,8 +2,8 @@
 `decoder_layers`) against the model's modules: the same kernels in the same order, so
 hidden states and K/V caches must be bit-identical, on mixed steps (decodes beside a prefill
 chunk after a cached prefix), with QKV bias (Qwen2), per-head q/k norms (Qwen3), a sliding
-window (Mistral), split in halves under tensor parallelism, and a bad slot must fail before any
-K/V is written."""
+window (Mistral), split in halves under tensor parallelism, with LoRA adapters (the deltas added
+by lora.c's kernels after each linear), and a bad slot must fail before any K/V is written."""
 
 from __future__ import annotations
 
@@ -13,16 +13,18 @@ import socket
 import traceback
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
-from pdserve.engine.config import CacheConfig, EngineConfig, load_model_config
+from pdserve.engine.config import CacheConfig, EngineConfig, LoRAConfig, load_model_config
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.parallel import TensorParallel
 from pdserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from pdserve.kernels.cpu import decoder_layers
 from pdserve.kernels.decoder_layers import DecoderLayers
+from pdserve.kernels.lora_mapping import LoRAMapping, lora_mapping
 from tests.tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.skipif(not decoder_layers.available(),
@@ -49,11 +51,12 @@ def tiny_mistral_window_dir(tmp_path_factory):
                             sliding_window=WINDOW)
 
 
-def make_runner(model_dir, tp: TensorParallel | None = None, threads: int = 2) -> ModelRunner:
+def make_runner(model_dir, tp: TensorParallel | None = None, threads: int = 2,
+                lora: LoRAConfig | None = None) -> ModelRunner:
     config = EngineConfig(
         model=load_model_config(model_dir, dtype="bfloat16", max_model_len=256),
         cache=CacheConfig(block_size=16, num_blocks=32), num_threads=threads,
-        kernel_backend="cpu",
+        kernel_backend="cpu", lora=lora,
     )
     return ModelRunner(config, tp)
 
@@ -70,16 +73,20 @@ STEPS = (
 )
 
 
-def forward(runner: ModelRunner, plan: SchedulerOutput) -> torch.Tensor:
+def forward(runner: ModelRunner, plan: SchedulerOutput, lora: LoRAMapping | None = None
+            ) -> torch.Tensor:
     input_ids, positions, meta, _ = runner._prepare(plan)
+    meta = replace(meta, lora=lora)
     with torch.inference_mode():
         return runner.model(input_ids, positions, runner.kv_caches, meta)
 
 
-def forward_modules(runner: ModelRunner, plan: SchedulerOutput) -> torch.Tensor:
+def forward_modules(runner: ModelRunner, plan: SchedulerOutput,
+                    lora: LoRAMapping | None = None) -> torch.Tensor:
     """The same step with the layers run as modules (the reference `decoder_layers`)."""
     model = runner.model
     input_ids, positions, meta, _ = runner._prepare(plan)
+    meta = replace(meta, lora=lora)
     with torch.inference_mode():
         hidden = model.embed_tokens(input_ids)
         hidden, residual = DecoderLayers.forward(model.layers, hidden, positions,
@@ -87,35 +94,36 @@ def forward_modules(runner: ModelRunner, plan: SchedulerOutput) -> torch.Tensor:
         return model.norm(hidden, residual)[0]
 
 
-def run_both(model_dir, tp=None, threads=2):
+def run_both(model_dir, tp=None, threads=2, runner=None, steps=STEPS, loras=None):
     """(hidden states per step, caches) through the C layers, then through the modules, and
-    the runner."""
-    runner = make_runner(model_dir, tp, threads)
+    the runner; `loras`: each step's adapter mapping."""
+    runner = runner or make_runner(model_dir, tp, threads)
     assert runner.model.layers.fused is not None
-    fused = [forward(runner, plan) for plan in STEPS]
+    loras = loras or (None,) * len(steps)
+    fused = [forward(runner, plan, lora) for plan, lora in zip(steps, loras)]
     fused_caches = [tuple(t.clone() for t in pair) for pair in runner.kv_caches]
     for pair in runner.kv_caches:
         for t in pair:
             t.fill_(float("nan"))  # what the modules do not write stays NaN and fails equal
-    modules = [forward_modules(runner, plan) for plan in STEPS]
+    modules = [forward_modules(runner, plan, lora) for plan, lora in zip(steps, loras)]
     return fused, fused_caches, modules, runner
 
 
-def written(cache: torch.Tensor, runner: ModelRunner) -> torch.Tensor:
-    """The cache rows the steps wrote (the slots of every token of both steps)."""
-    slots = torch.cat([runner._prepare(plan)[2].slot_mapping for plan in STEPS])
+def written(cache: torch.Tensor, runner: ModelRunner, steps=STEPS) -> torch.Tensor:
+    """The cache rows the steps wrote (the slots of every token of every step)."""
+    slots = torch.cat([runner._prepare(plan)[2].slot_mapping for plan in steps])
     return cache.flatten(0, 1)[slots]
 
 
-def assert_identical(fused, fused_caches, modules, runner) -> None:
+def assert_identical(fused, fused_caches, modules, runner, steps=STEPS) -> None:
     """Every step's hidden states and every written cache row, bit for bit."""
     for f, m in zip(fused, modules):
         assert f.dtype == torch.bfloat16 and not f.isnan().any()
         assert torch.equal(f, m)
     for f_pair, m_pair in zip(fused_caches, runner.kv_caches):
         for f, m in zip(f_pair, m_pair):
-            assert not written(m, runner).isnan().any()
-            assert torch.equal(written(f, runner), written(m, runner))
+            assert not written(m, runner, steps).isnan().any()
+            assert torch.equal(written(f, runner, steps), written(m, runner, steps))
 
 
 @pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
@@ -143,6 +151,53 @@ def test_qk_norms_and_sliding_windows_run_fused_bit_identical(model, head_norms,
     for layer in fused:
         assert bool(layer.struct.q_norm) == bool(layer.struct.k_norm) == head_norms
     assert_identical(*result)
+
+
+# LoRA: STEPS, then A and B decode beside C's prompt; each request's adapter slot per step
+# (-1: the base model), so steps mix slots, base tokens, decodes and prefill chunks
+PROMPT_C = tuple(range(500, 520))
+LORA_STEPS = (*STEPS, SchedulerOutput((entry("a", (8,), 38, A_BLOCKS),
+                                       entry("b", (9,), 45, B_BLOCKS),
+                                       entry("c", PROMPT_C, 0, (4, 6)))))
+LORA_SLOTS = ((2, -1), (2, 0), (1, -1, 0))
+
+
+def lora_runner(model_dir, tp: TensorParallel | None = None, threads: int = 2) -> ModelRunner:
+    """LoRA enabled (3 slots of rank 8), every slot of every linear (this rank's cut) random
+    and non-zero."""
+    runner = make_runner(model_dir, tp, threads, LoRAConfig(max_loras=3, max_lora_rank=8))
+    g = torch.Generator().manual_seed(5)
+    for stack in runner.loras.stacks.values():
+        for w in (stack.a, stack.b):
+            w.copy_(torch.randn(w.shape, generator=g) * 0.1)
+    return runner
+
+
+def lora_mappings(steps, slots) -> list[LoRAMapping]:
+    return [lora_mapping(np.repeat(s, [e.num_tokens for e in plan.requests]),
+                         torch.device("cpu")) for plan, s in zip(steps, slots)]
+
+
+def test_lora_adapters_run_fused_bit_identical(tiny_llama_dir, monkeypatch):
+    """Each layer binds its adapters' slots and a step with adapters runs as one call per
+    layer: the same lora.c shrink and expand after each linear as the modules, bit for bit;
+    and the adapters do change the output. A mapping the C cannot take (a slot past the
+    weights') goes to the modules, which say what is wrong."""
+    runner, calls = lora_runner(tiny_llama_dir), []
+    layers, real = runner.model.layers, decoder_layers.decoder_layer_cpu
+    assert layers.lora_slots == 3 and layers.lora_width == 3 * 8  # q/k/v of rank 8
+    monkeypatch.setattr(decoder_layers, "decoder_layer_cpu",
+                        lambda *args, **kw: calls.append(1) or real(*args, **kw))
+    mappings = lora_mappings(LORA_STEPS, LORA_SLOTS)
+    result = run_both(None, runner=runner, steps=LORA_STEPS, loras=mappings)
+    assert len(calls) == len(LORA_STEPS) * len(layers.fused)
+    assert_identical(*result, steps=LORA_STEPS)
+    base = [forward(runner, plan) for plan in LORA_STEPS]
+    assert not any(torch.equal(f, b) for f, b in zip(result[0], base))
+    bad = lora_mapping(np.full(LORA_STEPS[0].total_num_tokens, 3), torch.device("cpu"))
+    with pytest.raises(ValueError, match="out of the weights' 3 slots"):
+        forward(runner, LORA_STEPS[0], bad)
+    assert len(calls) == 2 * len(LORA_STEPS) * len(layers.fused)  # not the bad step
 
 
 def test_halves_are_the_whole_layer(tiny_llama_dir):
@@ -189,14 +244,21 @@ def _tp_rank(rank, port, model_dir, results):
         store = dist.TCPStore("127.0.0.1", port, None, rank == 0, wait_for_workers=False)
         group = dist.ProcessGroupGloo(dist.PrefixStore("tp", store), rank, 2,
                                       datetime.timedelta(seconds=60))
-        fused, _, modules, _ = run_both(model_dir, TensorParallel(rank, 2, group), threads=1)
-        results.put((rank, all(torch.equal(f, m) for f, m in zip(fused, modules))))
+        runner = lora_runner(model_dir, TensorParallel(rank, 2, group), threads=1)
+        assert runner.model.layers.lora_slots == 3  # this rank's cuts bound
+        fused, _, modules, _ = run_both(None, runner=runner)  # base steps
+        mappings = lora_mappings(LORA_STEPS, LORA_SLOTS)
+        lora_fused, _, lora_modules, _ = run_both(None, runner=runner, steps=LORA_STEPS,
+                                                  loras=mappings)
+        results.put((rank, all(torch.equal(f, m) for f, m in zip(fused + lora_fused,
+                                                                  modules + lora_modules))))
     except BaseException:
         results.put((rank, traceback.format_exc()))
 
 
 def test_tensor_parallel_halves_match_the_modules(tiny_llama_dir):
-    """Two real ranks (gloo): each layer as two calls with the all-reduce between."""
+    """Two real ranks (gloo): each layer as two calls with the all-reduce between, base steps
+    and steps with adapters (O's and down's deltas added to each rank's partial sums)."""
     ctx = mp.get_context("spawn")
     results, port = ctx.Queue(), _free_port()
     procs = [ctx.Process(target=_tp_rank, args=(r, port, tiny_llama_dir, results))

@@ -18,7 +18,8 @@ from tests.packaging.imports import ROOT
 
 MODEL_CODE = sorted((ROOT / "engine" / "models").glob("*.py")) + [ROOT / "engine" / "attention.py"]
 CONTRACT = {"pdserve.kernels.backend", "pdserve.kernels.attention_metadata",
-            "pdserve.kernels.decoder_layers", "pdserve.kernels.quant_weights"}
+            "pdserve.kernels.decoder_layers", "pdserve.kernels.quant_weights",
+            "pdserve.kernels.lora_mapping"}
 LAYOUT_ATTRS = {"is_cuda", "is_cpu", "is_mkldnn", "layout"}
 NAMES = {"cpu", "cuda", "mps", "xpu", "torch", "triton"}
 DTYPES = {"float32", "float16", "bfloat16", "int8", "uint8", "int32", "int64", "float"}

@@ -215,3 +215,28 @@ def test_snapshots_are_frozen_and_validated():
     with pytest.raises(ValueError, match="num_blocks_needed"):
         RoutingInfo(1, -1)
     hash(RoutingInfo(10, 1, "a", {"p": 3}))  # usable as a key despite the mapping field
+
+
+# -- LoRA adapter affinity -----------------------------------------------------------------------
+
+
+def test_decode_prefers_a_worker_holding_the_adapter_over_free_blocks():
+    workers = [_d("a", 30), dataclasses.replace(_d("b", 10), lora_adapters=frozenset({"x"}))]
+    assert choose_decode(workers, dataclasses.replace(_req(), lora_name="x")) == "b"
+    assert choose_decode(workers, dataclasses.replace(_req(), lora_name="y")) == "a"
+    assert choose_decode(workers, _req()) == "a"  # the base model: by free blocks alone
+
+
+def test_decode_adapter_affinity_yields_to_fit_and_session():
+    full = dataclasses.replace(_d("b", 2), lora_adapters=frozenset({"x"}))
+    assert choose_decode([_d("a", 30), full], dataclasses.replace(_req(), lora_name="x")) == "a"
+    holder = dataclasses.replace(_d("b", 20), lora_adapters=frozenset({"x"}))
+    req = dataclasses.replace(_req(session="a"), lora_name="x")
+    assert choose_decode([_d("a", 10), holder], req) == "a"
+
+
+def test_prefill_adapter_breaks_ties_of_equal_work_only():
+    holder = dataclasses.replace(_p("b", 100, inflight=3), lora_adapters=frozenset({"x"}))
+    req = dataclasses.replace(_req(), lora_name="x")
+    assert choose_prefill([_p("a", 100), holder], req) == "b"
+    assert choose_prefill([_p("a", 50), holder], req) == "a"

@@ -16,6 +16,7 @@ import numpy as np
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_connector import KVArrival, KVConnector, KVConnectorEvents
+from pdserve.engine.lora_request import LoRARequest
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -63,12 +64,15 @@ class FakeRunner:
         return RunnerOutput(sampled, {})
 
 
-def run_random_load(seed: int, prefix_caching: bool) -> None:
+def run_random_load(seed: int, prefix_caching: bool, max_loras: int | None = None) -> None:
+    """`max_loras`: requests run with one of four LoRA adapters (or none), at most that many
+    adapters in a step."""
     rng = random.Random(seed)
     block_size, num_blocks, max_model_len = 4, 40, 160
     kv = KVCacheManager(num_blocks, block_size, prefix_caching)
     config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24)
-    scheduler = Scheduler(config, kv, max_model_len)
+    scheduler = Scheduler(config, kv, max_model_len, max_loras=max_loras)
+    adapters = [None, *(LoRARequest(f"a{i}", i, f"/a{i}") for i in range(1, 5))]
     runner = FakeRunner(num_blocks, block_size)
     shared = [rng.randrange(8, VOCAB) for _ in range(40)]
     expected, outputs, aborted = {}, {}, set()
@@ -82,7 +86,8 @@ def run_random_load(seed: int, prefix_caching: bool) -> None:
         max_tokens = rng.randrange(1, 40)
         expected[str(i)] = reference(prompt, max_tokens, max_model_len)
         params = SamplingParams(max_tokens=max_tokens)
-        pending.append(Request(str(i), tuple(prompt), params, (EOS,)))
+        lora = rng.choice(adapters) if max_loras else None
+        pending.append(Request(str(i), tuple(prompt), params, (EOS,), lora=lora))
     steps = 0
     while pending or scheduler.has_unfinished_requests():
         for _ in range(rng.randrange(0, 3)):
@@ -95,6 +100,7 @@ def run_random_load(seed: int, prefix_caching: bool) -> None:
         plan = scheduler.schedule()
         assert plan.total_num_tokens <= config.max_num_batched_tokens
         assert len(plan.requests) <= config.max_num_seqs
+        assert len({e.lora for e in plan.requests if e.lora}) <= (max_loras or 0)
         for out in scheduler.update(plan, runner.execute(plan)):
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
         steps += 1
@@ -117,6 +123,31 @@ def test_random_load_with_prefix_caching():
 def test_random_load_without_prefix_caching():
     for seed in range(5):
         run_random_load(seed, prefix_caching=False)
+
+
+def test_random_load_with_lora_adapters_two_per_step():
+    for seed in range(5):
+        run_random_load(seed, prefix_caching=True, max_loras=2)
+
+
+def test_prefix_cache_hits_only_under_the_same_adapter():
+    kv = KVCacheManager(64, 4, True)
+    scheduler = Scheduler(SchedulerConfig(), kv, 200, max_loras=2)
+    runner = FakeRunner(64, 4)
+    a, b = LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b")
+    prompt = tuple(range(10, 30))  # five full blocks
+
+    def cached(rid: str, lora: LoRARequest | None) -> int:
+        scheduler.add_request(Request(rid, prompt, SamplingParams(max_tokens=1), lora=lora))
+        while scheduler.has_unfinished_requests():
+            plan = scheduler.schedule()
+            scheduler.update(plan, runner.execute(plan))
+        return scheduler.stats.num_cached_tokens
+
+    assert cached("first", a) == 0
+    assert cached("other adapter", b) == 0 and cached("base", None) == 0
+    assert cached("same adapter", a) == 16  # four blocks: the last token is recomputed
+    assert cached("a new load of a", LoRARequest("a", 3, "/a")) == 16
 
 
 def test_decodes_come_first_and_chunks_respect_budget():

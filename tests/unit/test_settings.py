@@ -19,7 +19,8 @@ NON_BOOL = [f.name for f in FIELDS if not isinstance(f.default, bool)]
 CHOICES = {"mode": ("disaggregated", "colocated"), "tool_call_parser": ("hermes", "llama3_json")}
 # text fields whose values have a form: valid samples
 SAMPLES = {"speculative_config": [f'{{"method": "ngram", "num_speculative_tokens": {n}}}'
-                                  for n in (1, 2, 3)]}
+                                  for n in (1, 2, 3)],
+           "lora_modules": ["a=/adapters/a", "b=/adapters/b c=/adapters/c", '{"d": "/d"}']}
 OPTIONAL = [f.name for f in FIELDS if f.default is None]
 
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from pdserve.cluster_secret import ClusterSecret
 from pdserve.decode_worker.actor import tp_group
 from pdserve.decode_worker.group import start_decode_rank
+from pdserve.engine.lora_request import LoRARequest
 from pdserve.engine.models.parallel import TensorParallel
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer.descriptor import Endpoint, TransferDescriptor
@@ -55,7 +56,8 @@ def serve_prefill(cfg: dict) -> None:
         if cmd["op"] == "prefill":
             params = SamplingParams(**cmd["params"])
             descriptor = TransferDescriptor.decode(cmd["descriptor"])
-            futures[cmd["id"]] = worker.prefill(cmd["id"], cmd["prompt"], params, descriptor)
+            futures[cmd["id"]] = worker.prefill(cmd["id"], cmd["prompt"], params, descriptor,
+                                                lora=_lora(cmd))
             answer(ok=True)
         elif cmd["op"] == "result":
             try:
@@ -97,7 +99,8 @@ def serve_decode(cfg: dict) -> None:
         if cmd["op"] == "reserve":
             params = SamplingParams(**cmd["params"])
             descriptor = worker.reserve(cmd["id"], cmd["prompt"], params,
-                                        [Endpoint(*cmd["source"])], cmd["deadline"])
+                                        [Endpoint(*cmd["source"])], cmd["deadline"],
+                                        lora=_lora(cmd))
             answer(descriptor=descriptor.encode().decode() if descriptor else None)
         elif cmd["op"] == "start":
             worker.start(cmd["id"], cmd["first_token"])
@@ -111,6 +114,10 @@ def serve_decode(cfg: dict) -> None:
             worker.close()
             answer(closed=True)
             return
+
+
+def _lora(cmd: dict) -> LoRARequest | None:
+    return LoRARequest(**cmd["lora"]) if cmd.get("lora") else None
 
 
 def main() -> None:

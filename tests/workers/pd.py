@@ -13,7 +13,13 @@ from collections.abc import Iterator
 
 from pdserve.cluster_secret import ClusterSecret
 from pdserve.decode_worker.worker import DecodeWorker
-from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, load_model_config
+from pdserve.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    SchedulerConfig,
+    load_model_config,
+)
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer.descriptor import Endpoint
 from pdserve.kvtransfer.loopback import LoopbackHub
@@ -24,11 +30,13 @@ SECRET = ClusterSecret(b"tests-workers-cluster-secret-0123456789")  # the worker
 
 
 def engine_config(model_dir, num_blocks: int = 256, block_size: int = 16) -> EngineConfig:
+    """The workers' engine: LoRA enabled (two adapters per step), as a request may ask."""
     return EngineConfig(
         model=load_model_config(model_dir, max_model_len=512),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512),
         num_threads=1,
+        lora=LoRAConfig(max_loras=2, max_lora_rank=16),
     )
 
 
@@ -98,12 +106,14 @@ def generate_pd(prefill, decode, request_id, prompt, params: SamplingParams, tim
     return tokens
 
 
-def run_engine(core, prompts, params: SamplingParams) -> list[list[int]]:
-    """Every prompt through one in-process EngineCore (the reference the workers must match)."""
+def run_engine(core, prompts, params: SamplingParams, loras=None) -> list[list[int]]:
+    """Every prompt through one in-process EngineCore (the reference the workers must match),
+    each with its LoRA adapter of `loras` (None: the base model)."""
     from pdserve.engine.request import Request
 
-    for i, prompt in enumerate(prompts):
-        core.add_request(Request(f"r{i}", tuple(prompt), params))
+    loras = loras or [None] * len(prompts)
+    for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
+        core.add_request(Request(f"r{i}", tuple(prompt), params, lora=lora))
     outputs = {f"r{i}": [] for i in range(len(prompts))}
     while core.has_unfinished_requests():
         for out in core.step():

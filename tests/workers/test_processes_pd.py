@@ -1,17 +1,22 @@
 """Real processes over gloo: one prefill worker, one decode group of TP 1 or 2.
 
 Greedy tokens equal the single engine's for 16+ concurrent requests (prefill prefix-cache hits
-included); a prefill killed mid-push fails only its requests, within their deadline, and the
-decode group frees their blocks and keeps serving; an unfed reservation is reclaimed."""
+included, LoRA adapters on some); a prefill killed mid-push fails only its requests, within
+their deadline, and the decode group frees their blocks and keeps serving; an unfed
+reservation is reclaimed."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
 
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.lora_request import LoRARequest
 from pdserve.engine.sampling_params import SamplingParams
 from tests.integration.hf_reference import mixed_prompts
+from tests.workers.pd import engine_config, run_engine
 from tests.workers.processes import params_json, start_decode_group, start_prefill
 from tests.workers.test_loopback_pd import single_engine
 
@@ -26,19 +31,22 @@ def decode_group(tiny_llama_dir, request):
         host.stop()
 
 
-def reserve(decode, prefill, rid, prompt, params, ttl=60.0):
+def reserve(decode, prefill, rid, prompt, params, ttl=60.0, lora=None):
     reply = decode.call("reserve", id=rid, prompt=prompt, params=params_json(params),
-                        source=prefill.source, deadline=time.time() + ttl)
+                        source=prefill.source, deadline=time.time() + ttl, lora=lora)
     assert reply.get("descriptor"), reply
     return reply["descriptor"]
 
 
-def run_batch(prefill, decode, ids, prompts, params):
-    """Reserve all, prefill all concurrently, start all; returns the first tokens (or errors)."""
-    descriptors = {rid: reserve(decode, prefill, rid, p, params) for rid, p in zip(ids, prompts)}
-    for rid, prompt in zip(ids, prompts):
+def run_batch(prefill, decode, ids, prompts, params, loras=None):
+    """Reserve all, prefill all concurrently, start all; returns the first tokens (or errors).
+    `loras`: each request's LoRA adapter (a LoRARequest's fields; None: the base model)."""
+    loras = loras or [None] * len(ids)
+    descriptors = {rid: reserve(decode, prefill, rid, p, params, lora=lora)
+                   for rid, p, lora in zip(ids, prompts, loras)}
+    for rid, prompt, lora in zip(ids, prompts, loras):
         assert prefill.call("prefill", id=rid, prompt=prompt, params=params_json(params),
-                            descriptor=descriptors[rid])["ok"]
+                            descriptor=descriptors[rid], lora=lora)["ok"]
     firsts = {rid: prefill.call("result", id=rid) for rid in ids}
     for rid, reply in firsts.items():
         if "first_token" in reply:
@@ -52,14 +60,20 @@ def assert_all_free(host):
 
 
 @pytest.mark.parametrize("decode_group", [1, 2], indirect=True)
-def test_decode_group_matches_single_engine(tiny_llama_dir, decode_group):
+def test_decode_group_matches_single_engine(tiny_llama_dir, tiny_lora_dirs, decode_group):
+    """With LoRA adapters on some requests (two per step at most, of three): each prompt's
+    KV computed with its adapter on the prefill worker, decoded with it on every rank."""
     base = [list(p) for p in mixed_prompts(49152, seed=6)]
     prompts = base + [base[0][:160] + [5, 6], base[5][:120]] * 4
-    expected = single_engine(tiny_llama_dir, prompts)
+    adapters = [None, *(LoRARequest(n, i, str(p))
+                        for i, (n, p) in enumerate(sorted(tiny_lora_dirs.items()), 1))]
+    loras = [adapters[i % len(adapters)] for i in range(len(prompts))]
+    expected = run_engine(EngineCore(engine_config(tiny_llama_dir)), prompts, PARAMS, loras)
     prefill = start_prefill(tiny_llama_dir)
     try:
         ids = [f"r{i}" for i in range(len(prompts))]
-        firsts = run_batch(prefill, decode_group, ids, prompts, PARAMS)
+        firsts = run_batch(prefill, decode_group, ids, prompts, PARAMS,
+                           [dataclasses.asdict(a) if a else None for a in loras])
         assert all("first_token" in r for r in firsts.values()), firsts
         replies = [decode_group.call("collect", id=rid) for rid in ids]
         assert all("tokens" in r for r in replies), replies
