@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import tempfile
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from benchmarks.moe import cpu_info
 from pdserve import LLM, LoRARequest, SamplingParams
 from pdserve.engine.config import ModelConfig, load_model_config
 from pdserve.engine.default_model import ensure_default_model
@@ -92,8 +92,9 @@ def main() -> None:
         for _ in range(args.repeats):
             base.append(run(llm, prompts, base_only))
             lora.append(run(llm, prompts, with_loras))
-    print(f"CPU: {platform.processor() or platform.machine()}, torch threads {args.threads}, "
-          f"kernels {llm.engine.core.runner.ops.name}")
+    cpu = cpu_info()
+    print(f"CPU: {cpu['model_name']} ({cpu['cpus']} CPUs, AVX512-BF16 {cpu['avx512_bf16']}), "
+          f"torch threads {args.threads}, kernels {llm.engine.core.runner.ops.name}")
     print(f"{NUM_REQUESTS} requests x {PROMPT_TOKENS} prompt + {MAX_TOKENS} output tokens, "
           f"bf16 {model.architecture}; {NUM_ADAPTERS} adapters of rank {args.rank} on every "
           "linear")

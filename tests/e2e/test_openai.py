@@ -62,9 +62,11 @@ def all_blocks_free(service) -> bool:
     return all(w.num_used_blocks == 0 and w.up for w in stats(service.address).workers)
 
 
-def test_models_lists_the_served_model(client, tiny_llama_dir) -> None:
+def test_models_lists_the_served_model(client, tiny_llama_dir, tiny_lora_dirs) -> None:
+    """The model first, then the LoRA adapters the shared service serves over it."""
     models = client.models.list().data
-    assert [m.id for m in models] == [tiny_llama_dir.name]
+    assert models[0].id == tiny_llama_dir.name
+    assert {m.id for m in models[1:]} == set(tiny_lora_dirs)
 
 
 def test_completion_matches_offline_greedy(client, model, offline) -> None:
@@ -233,6 +235,8 @@ def test_api_key(service, model, tiny_llama_dir) -> None:
         missing = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "x"})
         assert missing.status_code == 401
         assert missing.json()["error"]["code"] == "invalid_api_key"
+        for path in ("load_lora_adapter", "unload_lora_adapter"):  # adapters change behind it
+            assert httpx.post(f"{url}/v1/{path}", json={"lora_name": "all"}).status_code == 401
         good = openai.OpenAI(base_url=f"{url}/v1", api_key="sesame", max_retries=0)
         assert good.completions.create(model=model, prompt=PROMPT, max_tokens=2).choices
         assert httpx.get(f"{url}/health").status_code == 200  # probes stay open
