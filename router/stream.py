@@ -74,8 +74,8 @@ class ResponseStream:
             # everything that arrived since the last message goes out as one (see Mailbox),
             # but the first delta (the first token) alone, as a remote prefill's: the TTFT
             items, later = later or await mailbox.take(), []
-            if self.first_at is None and len(items) > 1:
-                items, later = items[:1], items[1:]
+            if self.first_at is None:  # the worker may have merged its first steps too
+                items, later = _first_token(items, skip)
             token_ids, logprobs, end = _gather(items, skip, want_logprobs)
             skip = 0
             message, stop = self._message(token_ids, logprobs)
@@ -162,6 +162,23 @@ class ResponseStream:
         self.metrics.observe_e2e(now - self.received)
         self.metrics.count_tokens(num_prompt, len(self.token_ids), cached)
         return message
+
+
+def _first_token(items: list, skip: int) -> tuple[list, list]:
+    """The first delta's first token (after `skip`) alone, and what follows it: a worker whose
+    reader fell behind sends its first steps merged, but the first token is the TTFT."""
+    first, later = items[0], items[1:]
+    if isinstance(first, Lost) or first.finish_reason == "error" or len(
+            first.token_ids) <= skip + 1:
+        return [first], later
+    n = skip + 1
+    head = worker_pb2.RequestDelta(
+        request_id=first.request_id, token_ids=first.token_ids[:n], logprobs=first.logprobs[:n],
+        num_cached_tokens=first.num_cached_tokens, prompt_logprobs=first.prompt_logprobs)
+    tail = worker_pb2.RequestDelta()
+    tail.CopyFrom(first)
+    del tail.token_ids[:n], tail.logprobs[:n], tail.prompt_logprobs[:]
+    return [head], [tail, *later]
 
 
 def _gather(items: list, skip: int, want_logprobs: bool) -> tuple[list[int], list, Any]:

@@ -216,6 +216,24 @@ def test_local_prefill_skips_nothing(tokenizer, prompt_ids, out_ids) -> None:
     assert list(run.messages[0].token_ids) == out_ids[:1]
 
 
+@pytest.mark.parametrize("logprobs", [None, 1])
+def test_local_first_delta_merged_by_the_worker_still_sends_its_first_token_alone(
+        tokenizer, prompt_ids, out_ids, logprobs) -> None:
+    """A worker whose reader fell behind merges its first steps: the first token (the TTFT)
+    still goes out alone, with its logprob, then the rest of that delta."""
+    req = make_req(prompt_ids, logprobs=logprobs)
+    lps = [pdserve_pb2.TokenLogprob(token_id=t, logprob=-0.5) for t in out_ids]
+    first = delta(out_ids[:3], logprobs=lps[:3] if logprobs else [])
+    rest = delta(out_ids[3:], "length", logprobs=lps[3:] if logprobs else [])
+    run = run_stream(tokenizer, req, [first, rest])
+    check_shape(run, req)
+    assert run.token_ids == out_ids
+    assert list(run.messages[0].token_ids) == out_ids[:1]
+    assert list(run.messages[1].token_ids) == out_ids[1:3]
+    assert [lp.token_id for m in run.messages for lp in m.logprobs] == (
+        out_ids if logprobs else [])
+
+
 # ---- (c) text ----
 
 
@@ -476,4 +494,5 @@ def test_tokens_before_a_lost_worker_in_a_backlog_still_reach_the_client(
     run = run_stream(tokenizer, req, items, coalesce=True)
     assert isinstance(run.error, WorkerLost)
     assert run.token_ids == out_ids[:4]
-    assert [list(m.token_ids) for m in run.messages] == [out_ids[:2], out_ids[2:4]]  # first alone
+    # the first token alone (the TTFT), then all the backlog held
+    assert [list(m.token_ids) for m in run.messages] == [out_ids[:1], out_ids[1:4]]
