@@ -120,7 +120,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         subscription = self.fanout.subscribe(router_id)
         context.send_initial_metadata(())  # the reader knows it is subscribed before any step
         # the stream may end without this generator being resumed: the lease starts either way
-        context.add_callback(lambda: self.fanout.unsubscribe(subscription))
+        if not context.add_callback(lambda: self.fanout.unsubscribe(subscription)):
+            self.fanout.unsubscribe(subscription)  # the call ended already
         try:
             yield from self._stream(subscription, context)
         finally:

@@ -68,7 +68,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RuntimeError as exc:  # closed, or its loop died
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        context.add_callback(lambda: future.done() or self.worker.abort(rid))
+        if not context.add_callback(lambda: future.done() or self.worker.abort(rid)):
+            self.worker.abort(rid)  # the call ended already: no callback would ever run
         wait_s = min(descriptor.deadline - time.time(), self.max_wait_s)
         try:
             result = future.result(timeout=max(wait_s, 0.0))
