@@ -81,7 +81,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             request.request_id, list(request.prompt_token_ids),
             sampling_from_proto(request.sampling, default_max_tokens=1),
             [Endpoint(s.host, s.port, s.rank) for s in request.sources], request.deadline,
-            request.num_output_tokens, lora_from_proto(request.lora, request.HasField("lora")),
+            request.num_output_tokens, lora_from_proto(request),
         ))
         if descriptor is None:
             return worker_pb2.ReserveResponse(granted=False)
@@ -98,7 +98,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         granted = self._owned(context, request, lambda: self.worker.submit(
             request.request_id, list(request.prompt_token_ids),
             sampling_from_proto(request.sampling, default_max_tokens=1),
-            request.num_output_tokens, lora_from_proto(request.lora, request.HasField("lora")),
+            request.num_output_tokens, lora_from_proto(request),
         ))
         return worker_pb2.SubmitResponse(granted=granted)
 

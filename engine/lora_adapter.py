@@ -49,7 +49,6 @@ _REFUSED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "modules
 class LoRAAdapterConfig:
     rank: int
     scaling: float
-    modules: tuple[str, ...]  # the PEFT modules it adapts (q_proj, ...), sorted
 
 
 # (layer, our linear) -> {slice: (A [r, in], B [slice rows, r] scaled)}
@@ -68,7 +67,6 @@ def check_adapter(path: str, model: ModelConfig, max_rank: int) -> LoRAAdapterCo
     what is wrong (a missing file, a rank above `max_rank`, a module the base lacks, a shape
     of another base model)."""
     config = _read_config(Path(path), max_rank)
-    modules = set()
     for name, (layer, module, kind, shape) in _tensor_shapes(Path(path)).items():
         want = _expected_shape(model, layer, module, kind, config.rank)
         if want is None:
@@ -77,8 +75,7 @@ def check_adapter(path: str, model: ModelConfig, max_rank: int) -> LoRAAdapterCo
         if tuple(shape) != want:
             raise ValueError(f"lora_path: {name} has shape {list(shape)}, the base model "
                              f"needs {list(want)}: an adapter of another base model?")
-        modules.add(module)
-    return LoRAAdapterConfig(config.rank, config.scaling, tuple(sorted(modules)))
+    return config
 
 
 def load_adapter(lora: LoRARequest, model: ModelConfig, max_rank: int,
@@ -128,7 +125,7 @@ def _read_config(path: Path, max_rank: int) -> LoRAAdapterConfig:
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise ValueError(f"lora_path: {CONFIG_FILE} lora_alpha must be a number, got {alpha!r}")
     scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-    return LoRAAdapterConfig(rank, scaling, ())
+    return LoRAAdapterConfig(rank, scaling)
 
 
 def _tensor_shapes(path: Path) -> dict[str, tuple[int, str, str, list[int]]]:

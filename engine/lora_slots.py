@@ -45,27 +45,28 @@ class LoRAStack:
         self.rank, self.ops = config.max_lora_rank, ops
         kw = {"dtype": dtype, "device": device}
         n, r = len(self.slices), self.rank
-        self.a = torch.zeros(config.max_loras, n * r, linear.in_features, **kw)
-        self.b = torch.zeros(config.max_loras, linear.out_features, r, **kw)
-        rows = list(self.slices.values())
-        self.offsets = tuple(int(o) for o in np.cumsum([0, *rows]))
-        self.weights = LoRAWeights(self.a, self.b, self.offsets)
+        self.weights = LoRAWeights(
+            torch.zeros(config.max_loras, n * r, linear.in_features, **kw),
+            torch.zeros(config.max_loras, linear.out_features, r, **kw),
+            tuple(int(o) for o in np.cumsum([0, *self.slices.values()])))
 
     def set(self, slot: int, parts: dict[str, tuple[torch.Tensor, torch.Tensor]] | None
             ) -> None:
         """Slot `slot` holds `parts` (slice -> A, B: an adapter's, uncut), or nothing."""
-        self.a[slot].zero_()
-        self.b[slot].zero_()
+        w = self.weights
+        w.a[slot].zero_()
+        w.b[slot].zero_()
         for i, name in enumerate(self.slices):
             if parts is None or name not in parts:
                 continue
             a, b = self.shard(name, *parts[name])
             r, start = a.shape[0], i * self.rank
-            self.a[slot, start:start + r].copy_(a)
-            self.b[slot, self.offsets[i]:self.offsets[i + 1], :r].copy_(b)
+            w.a[slot, start:start + r].copy_(a)
+            w.b[slot, w.slice_offsets[i]:w.slice_offsets[i + 1], :r].copy_(b)
 
     def __call__(self, y: torch.Tensor, x: torch.Tensor, mapping: LoRAMapping) -> None:
-        self.ops.add_lora(y, x, self.a, self.b, mapping, self.offsets)
+        w = self.weights
+        self.ops.add_lora(y, x, w.a, w.b, mapping, w.slice_offsets)
 
 
 class LoRASlots:

@@ -129,12 +129,12 @@ def logprobs_from_proto(msg: pdserve_pb2.TokenLogprob) -> TokenLogprobs:
                          msg.rank if msg.HasField("rank") else None)
 
 
-def lora_from_proto(msg: worker_pb2.LoRAAdapter, present: bool) -> LoRARequest | None:
-    """The adapter a worker request names (`present`: its `lora` field is set); ValueError
-    naming a bad field."""
-    if not present:
+def lora_from_proto(request: Any) -> LoRARequest | None:
+    """The adapter a worker request (Prefill, Reserve, Submit) names in its `lora` field, if
+    set; ValueError naming a bad field."""
+    if not request.HasField("lora"):
         return None
-    return LoRARequest(msg.name, msg.id, msg.path)
+    return LoRARequest(request.lora.name, request.lora.id, request.lora.path)
 
 
 def lora_to_proto(lora: LoRARequest | None) -> worker_pb2.LoRAAdapter | None:

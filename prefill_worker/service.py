@@ -63,7 +63,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             params = sampling_from_proto(request.sampling, default_max_tokens=1)
             future = self.worker.prefill(
                 rid, list(request.prompt_token_ids), params, descriptor,
-                request.num_output_tokens, lora_from_proto(request.lora, request.HasField("lora")))
+                request.num_output_tokens, lora_from_proto(request))
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RuntimeError as exc:  # closed, or its loop died

@@ -168,7 +168,7 @@ def lora_runner(model_dir, tp: TensorParallel | None = None, threads: int = 2) -
     runner = make_runner(model_dir, tp, threads, LoRAConfig(max_loras=3, max_lora_rank=8))
     g = torch.Generator().manual_seed(5)
     for stack in runner.loras.stacks.values():
-        for w in (stack.a, stack.b):
+        for w in (stack.weights.a, stack.weights.b):
             w.copy_(torch.randn(w.shape, generator=g) * 0.1)
     return runner
 
