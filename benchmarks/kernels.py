@@ -4,8 +4,9 @@
 
 On CUDA the Triton kernels are timed with `triton.testing.do_bench` and their bandwidth is
 given as a share of a measured device-to-device copy (the target: paged decode at batch 64 x
-4k context >= 70%). On CPU the backend that serves there (`cpu`: the C kernels where they
-build, else `torch`) is timed (best of `--repeat`), and the SmolLM2-135M decode step's
+4k context >= 70%), their FLOP/s as a share of a measured cuBLAS matmul (8192^3, fp16). On
+CPU the backend that serves there (`cpu`: the C kernels where they build, else `torch`) is
+timed (best of `--repeat`), and the SmolLM2-135M decode step's
 attention (9 heads, 3 KV heads, head_dim 64, 30 layers, fp32) at batch 32 x 1k context is
 compared with dense SDPA over the same K/V stored contiguously (the target: within 1.3x).
 Timings on a shared machine are noisy: the best of several runs is the figure that means
@@ -63,6 +64,12 @@ def copy_bandwidth(device: torch.device, timer, repeat: int) -> float:
     src = torch.empty(128 << 20, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
     return 2 * src.nbytes / timer(lambda: dst.copy_(src), repeat)
+
+
+def gemm_flops(device: torch.device, dtype: torch.dtype, n: int, timer, repeat: int) -> float:
+    """FLOP/s of one n x n x n matmul (cuBLAS on CUDA): the compute roof we compare to."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    return 2 * n**3 / timer(lambda: a @ a, repeat)
 
 
 def paged_batch(num_seqs, context_len, num_kv_heads, head_dim, block_size, dtype, device, gen,
@@ -230,14 +237,16 @@ def kernel_rows(ops: KernelBackend, device, dims: Dims, timer, repeat, gen) -> l
     return rows + other_rows(ops, device, dims, timer, repeat, gen)
 
 
-def print_table(rows: list[Row], roof: float, device: str) -> None:
+def print_table(rows: list[Row], roof: float, flop_roof: float, device: str) -> None:
     print(f"{'kernel':<28} {'shape':<36} {'MB':>9} {'GFLOP':>8} {'ms':>9} {'GB/s':>7} "
-          f"{'%copy':>6}  note")
+          f"{'%copy':>6} {'%gemm':>6}  note")
     for r in rows:
         bw = r.bytes / r.seconds
         print(f"{r.name:<28} {r.shape:<36} {r.bytes / 1e6:>9.1f} {r.flops / 1e9:>8.2f} "
-              f"{r.seconds * 1e3:>9.3f} {bw / 1e9:>7.1f} {100 * bw / roof:>5.0f}%  {r.note}")
-    print(f"(%copy: achieved bytes/s over a measured {device} copy at {roof / 1e9:.1f} GB/s)")
+              f"{r.seconds * 1e3:>9.3f} {bw / 1e9:>7.1f} {100 * bw / roof:>5.0f}% "
+              f"{100 * r.flops / r.seconds / flop_roof:>5.1f}%  {r.note}")
+    print(f"(%copy: achieved bytes/s over a measured {device} copy at {roof / 1e9:.1f} GB/s; "
+          f"%gemm: achieved FLOP/s over a measured matmul at {flop_roof / 1e12:.2f} TFLOP/s)")
 
 
 def main() -> None:
@@ -252,20 +261,22 @@ def main() -> None:
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
         print(f"device: {name}; Triton kernels; host threads {torch.get_num_threads()}")
-        roof = copy_bandwidth(torch.device("cuda"), time_cuda, args.repeat)
-        rows = kernel_rows(get_backend(torch.device("cuda")), torch.device("cuda"), LLAMA3_8B,
-                           time_cuda, args.repeat, gen)
-        print_table(rows, roof, "device-to-device")
+        cuda = torch.device("cuda")
+        roof = copy_bandwidth(cuda, time_cuda, args.repeat)
+        flop_roof = gemm_flops(cuda, LLAMA3_8B.dtype, 8192, time_cuda, args.repeat)
+        rows = kernel_rows(get_backend(cuda), cuda, LLAMA3_8B, time_cuda, args.repeat, gen)
+        print_table(rows, roof, flop_roof, "device-to-device")
         return
     clock = "thread CPU time" if cpu_clock() is time.thread_time else "wall time"
     print(f"device: CPU, {get_backend(torch.device('cpu')).name} backend, "
           f"{torch.get_num_threads()} torch threads "
           f"(interop {torch.get_num_interop_threads()}), best of {args.repeat} by {clock}")
-    roof = copy_bandwidth(torch.device("cpu"), time_cpu, args.repeat)
-    rows = decode_step_cpu(args, gen)
     cpu = torch.device("cpu")
+    roof = copy_bandwidth(cpu, time_cpu, args.repeat)
+    flop_roof = gemm_flops(cpu, SMOLLM2_135M.dtype, 1024, time_cpu, args.repeat)
+    rows = decode_step_cpu(args, gen)
     rows += other_rows(get_backend(cpu), cpu, SMOLLM2_135M, time_cpu, args.repeat, gen)
-    print_table(rows, roof, "CPU memory")
+    print_table(rows, roof, flop_roof, "CPU memory")
 
 
 if __name__ == "__main__":

@@ -3,9 +3,12 @@
 Bootstrap, driven by the launcher (every rank lives in one placement group, so on one node):
     rank 0   __init__ binds the TP group's TCPStore and its KV listener (which hosts the KV
              rendezvous store), both on `spec.host` only; `rendezvous()` reports their ports
-    all      start(rendezvous) forms the TP group over gloo and calls `start_decode_rank`:
-             rank 0 serves its DecodeWorker over gRPC and returns the address; the other
-             ranks follow rank 0 in a thread and return None at once
+    all      start(rendezvous) forms the TP group (`make_tp`: gloo for CPU tensors, plus
+             NCCL for device tensors when the spec's device is CUDA) and calls
+             `start_decode_rank`: rank 0 serves its DecodeWorker over gRPC and returns the
+             address; the other ranks follow rank 0 in a thread and return None at once
+The KV listeners (`kv_listener`) carry tensors of the spec's device (NCCL data groups on
+CUDA), as the prefill side's connector does (prefill_worker.service).
 The actor must run with max_concurrency >= 2, so `ping` answers while a rank follows.
 The cluster secret comes from the actor's environment (the pool's runtime_env), never args.
 """
@@ -19,6 +22,7 @@ import threading
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from pdserve.cluster_secret import ClusterSecret
@@ -26,6 +30,14 @@ from pdserve.decode_worker.group import start_decode_rank
 from pdserve.decode_worker.service import DecodeService
 from pdserve.engine.models.parallel import TensorParallel
 from pdserve.kvtransfer.descriptor import Endpoint
+from pdserve.kvtransfer.device_groups import (
+    IdentityFn,
+    collective_backend,
+    gather_identities,
+    local_identity,
+    nccl_group,
+    shared_gpu_reason,
+)
 from pdserve.kvtransfer.rendezvous import GlooListener
 from pdserve.worker_spec import WorkerSpec
 
@@ -35,13 +47,45 @@ CONNECT_TIMEOUT_S = 120.0  # every rank joins within this (each loads its shard 
 
 
 def tp_group(store: dist.Store, host: str, rank: int, size: int, timeout: timedelta) -> Any:
-    """The TP group; each collective fails after `timeout` (WorkerSpec.tp_timeout_s). A
-    follower idles blocked in the next broadcast: rank 0's "idle" beats (plan_broadcast)
-    keep that wait short, so only a hung or dead rank makes a collective time out."""
+    """The TP group's gloo side: its CPU tensors (all of a CPU model's); each collective fails
+    after `timeout` (WorkerSpec.tp_timeout_s). A follower idles blocked in the next
+    broadcast: rank 0's "idle" beats (plan_broadcast) keep that wait short, so only a hung
+    or dead rank makes a collective time out."""
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     return dist.ProcessGroupGloo(dist.PrefixStore("tp", store), rank, size, opts)
+
+
+def make_tp(
+    store: dist.Store, host: str, rank: int, size: int, device: torch.device | str,
+    timeout: timedelta, expert_parallel: bool = False, *, identity: IdentityFn = local_identity,
+) -> TensorParallel:
+    """This rank's TensorParallel for a model on `device`: the gloo group (`tp_group`) and,
+    on CUDA, an NCCL group for device tensors, formed once the ranks proved to be on
+    distinct GPUs (`identity(device)` gathered over the gloo group; ValueError otherwise)."""
+    device = torch.device(device)
+    group, device_group = tp_group(store, host, rank, size, timeout), None
+    if collective_backend(device) == "nccl":
+        mine = identity(device)
+        try:
+            ranks = gather_identities(group, size, mine, timeout)
+        except (RuntimeError, ValueError) as e:
+            raise RuntimeError(f"TP rank {rank}: device identities not gathered: {e}") from None
+        why = shared_gpu_reason(ranks, f"decode TP group of {size}",
+                                "give each decode rank its own GPU (Ray num_gpus=1 per rank)")
+        if why is not None:
+            raise ValueError(why)
+        device_group = nccl_group(dist.PrefixStore("tp/nccl", store), rank, size, timeout)
+    return TensorParallel(rank, size, group, expert_parallel, device_group)
+
+
+def kv_listener(spec: WorkerSpec, secret: ClusterSecret, rank: int = 0, port: int = 0,
+                host_store: bool = True) -> GlooListener:
+    """Rank `rank`'s KV listener: it hosts the rendezvous store (rank 0) or joins rank 0's
+    at `port`; its data groups carry tensors of the spec's device (NCCL on CUDA)."""
+    return GlooListener(spec.host, rank=rank, port=port, host_store=host_store,
+                        device=spec.device, connect_timeout_s=CONNECT_TIMEOUT_S, secret=secret)
 
 
 class DecodeRankActor:
@@ -58,8 +102,7 @@ class DecodeRankActor:
         self.follower: threading.Thread | None = None
         self.follower_error: BaseException | None = None
         if rank == 0:
-            self.listener = GlooListener(self.spec.host, rank=0,
-                                         connect_timeout_s=CONNECT_TIMEOUT_S, secret=self.secret)
+            self.listener = kv_listener(self.spec, self.secret)
             if tp_size > 1:
                 sock = socket.create_server((self.spec.host, 0), backlog=128)
                 # TCPStore takes the bound socket, so the store listens on spec.host only.
@@ -86,13 +129,12 @@ class DecodeRankActor:
                 host, int(rendezvous["tp_port"]), None, False, timeout=self.timeout,
                 wait_for_workers=False,
             )
-            group = tp_group(store, self.spec.host, self.rank, self.tp_size,
-                             timedelta(seconds=self.spec.tp_timeout_s))
-            tp = TensorParallel(self.rank, self.tp_size, group, self.spec.enable_expert_parallel)
+            tp = make_tp(store, self.spec.host, self.rank, self.tp_size, self.spec.device,
+                         timedelta(seconds=self.spec.tp_timeout_s),
+                         self.spec.enable_expert_parallel)
         if self.listener is None:
-            self.listener = GlooListener(self.spec.host, rank=self.rank, port=kv_port,
-                                         host_store=False, connect_timeout_s=CONNECT_TIMEOUT_S,
-                                         secret=self.secret)
+            self.listener = kv_listener(self.spec, self.secret, self.rank, kv_port,
+                                        host_store=False)
         endpoints = [Endpoint(host, kv_port, r) for r in range(self.tp_size)]
         args = (self.spec.engine_config(), tp, self.listener, endpoints, self.spec.model_name)
         if self.rank == 0:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -272,9 +273,37 @@ class LoRAConfig:
         return self.max_cpu_loras or self.max_loras
 
 
+MAX_DEFAULT_GRAPH_SIZE = 512  # vLLM's cap: bigger batches gain little from a graph
+
+
+def default_cuda_graph_sizes(max_batch: int) -> tuple[int, ...]:
+    """vLLM's capture sizes: 1, 2, 4, then every multiple of 8, up to the largest decode batch
+    (at most 512), which is itself captured so that every batch up to it replays."""
+    top = min(max_batch, MAX_DEFAULT_GRAPH_SIZE)
+    return tuple(sorted({s for s in (1, 2, 4, *range(8, top + 1, 8)) if s <= top} | {top}))
+
+
+def check_cuda_graph_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
+    """Capture sizes as given (`--cuda-graph-sizes`): positive integers, ascending, unique."""
+    if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+        raise ValueError(f"cuda_graph_sizes must be positive integers, got {list(sizes)!r}")
+    if any(a >= b for a, b in zip(sizes, sizes[1:])):
+        raise ValueError(f"cuda_graph_sizes must be ascending and unique, got {list(sizes)!r};"
+                         f" e.g. {sorted(set(sizes))}")
+    return tuple(sizes)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything one engine needs; `device` is a torch device string."""
+    """Everything one engine needs; `device` is a torch device string.
+
+    CUDA graphs (engine.cuda_graphs): on CUDA, decode steps replay graphs captured at start-up
+    for each of `cuda_graph_sizes` (None: `default_cuda_graph_sizes`), a step padded to the next
+    size; `enforce_eager=True` captures none (vLLM's switch). `emulate_cuda_graphs=True` takes
+    the graphs' path without capturing (each replay runs the forward eagerly on the static
+    buffers), on any device: how CPU tests cover the padding and replay bookkeeping CUDA uses,
+    and on CUDA a way to tell a capture bug from a padding bug.
+    """
 
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -285,9 +314,54 @@ class EngineConfig:
     kernel_backend: str | None = None
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     lora: LoRAConfig | None = None  # None: no LoRA adapters (enable_lora=False)
+    enforce_eager: bool = False  # True: no CUDA graphs, every step eager
+    cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes captured; None: default
+    emulate_cuda_graphs: bool = False  # the graphs' path, capture a no-op (tests, debugging)
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and not 1 <= self.num_threads <= (os.cpu_count() or 1):
             raise ValueError(
                 f"num_threads must be in [1, {os.cpu_count()}], got {self.num_threads}"
             )
+        self._check_cuda_graphs()
+
+    def _check_cuda_graphs(self) -> None:
+        for name in ("enforce_eager", "emulate_cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.enforce_eager and self.emulate_cuda_graphs:
+            raise ValueError("emulate_cuda_graphs takes the CUDA graphs' path, which "
+                             "enforce_eager=True turns off: set one of them")
+        sizes = self.cuda_graph_sizes
+        if sizes is None:
+            return
+        if not isinstance(sizes, tuple):
+            raise ValueError(f"cuda_graph_sizes must be a tuple, got {sizes!r}")
+        check_cuda_graph_sizes(sizes)
+        if sizes[-1] > self.max_decode_batch:
+            raise ValueError(
+                f"cuda_graph_sizes: {sizes[-1]} exceeds the largest decode batch "
+                f"{self.max_decode_batch} (max_num_seqs, max_num_batched_tokens): no step "
+                "would replay it; drop it or raise max_num_seqs")
+
+    @property
+    def max_decode_batch(self) -> int:
+        """The most single-token sequences one step can hold."""
+        return min(self.scheduler.max_num_seqs, self.scheduler.max_num_batched_tokens)
+
+    @property
+    def capture_sizes(self) -> tuple[int, ...]:
+        """The decode batch sizes graphs are captured for (ascending)."""
+        if self.cuda_graph_sizes is not None:
+            return self.cuda_graph_sizes
+        return default_cuda_graph_sizes(self.max_decode_batch)
+
+    @property
+    def cuda_graph_mode(self) -> str | None:
+        """How decode steps run: "cuda" (captured graphs replayed), "emulated" (the same
+        path, each replay run eagerly) or None (eager, no padding: CPUs by default)."""
+        if self.enforce_eager:
+            return None
+        if self.emulate_cuda_graphs:
+            return "emulated"
+        return "cuda" if self.device.split(":")[0] == "cuda" else None

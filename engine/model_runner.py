@@ -1,10 +1,15 @@
 """ModelRunner: turns a SchedulerOutput into tensors, runs the network, samples.
 
-It owns the model, the KV cache tensors, the per-request sampling generators and the LoRA
-adapters' slots (`engine.lora_slots`); it keeps no other state between steps (the plan
-carries tokens, positions and block tables). With a KV connector it brackets each forward
-pass with the connector's worker side: the layers are saved as they are computed, and the
-step returns only once every save is done.
+It owns the model, the KV cache tensors, the per-request sampling generators, the LoRA
+adapters' slots (`engine.lora_slots`) and the decode graphs (`engine.cuda_graphs`); it keeps
+no other state between steps (the plan carries tokens, positions and block tables). With a KV
+connector it brackets each forward pass with the connector's worker side: the layers are saved
+as they are computed, and the step returns only once every save is done.
+
+With CUDA graphs (`EngineConfig.cuda_graph_mode`) the cache holds one block more than the pool
+hands out, the graphs' dummy block; `kv_caches` are views of the pool's blocks alone, what the
+connector and everything else see. A step that replays a graph runs its layers as one launch,
+so a connector's `save_kv_layer` is called for every layer once the replay is queued.
 """
 
 from __future__ import annotations
@@ -17,6 +22,11 @@ import numpy as np
 import torch
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cuda_graphs import (
+    DecodeGraphs,
+    capturable,
+    step_graph_factory,
+)
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.loader import load_weights
 from pdserve.engine.logits_processors import LogitsRow, apply_logits_processors
@@ -68,28 +78,58 @@ class ModelRunner:
         prepare_weights(self.model, self.ops, self.dtype)  # each linear in the backend's form
         self.weight_bytes = weight_bytes(self.model)
         self.model.eval()
-        self.kv_caches = self._allocate_kv_caches()
+        self.graphs: DecodeGraphs | None = None
+        graph_mode = self._graph_mode()
+        caches = self._allocate_kv_caches(extra_blocks=1 if graph_mode else 0)
+        num_blocks = config.cache.num_blocks
+        self.kv_caches = caches if not graph_mode else [  # the pool's blocks: no dummy block
+            tuple(t[:num_blocks] for t in layer) for layer in caches]
         self.sampler = Sampler(seed=config.seed)
         self._generators: dict[str, torch.Generator] = {}
         self.connector = connector
         if connector is not None:
             connector.register_kv_caches(self.kv_caches)
+        if graph_mode:
+            self.graphs = self._capture_graphs(graph_mode, caches)
         logger.info(
             "model %s (%s, quantization %s, weights %.1f MB) on %s, kernels=%s, threads=%d",
             cfg.architecture, cfg.dtype, cfg.quantization.method if cfg.quantization else None,
             self.weight_bytes / 1e6, self.device, self.ops.name, torch.get_num_threads(),
         )
 
-    def _allocate_kv_caches(self) -> list[tuple[torch.Tensor, ...]]:
-        """Per layer (k, v), or (k, v, k_scale, v_scale) for an int8 cache; zero-filled."""
+    def _graph_mode(self) -> str | None:
+        """The config's CUDA graph mode, but eager where a capture could not hold the TP
+        group's collectives (gloo's)."""
+        mode = self.config.cuda_graph_mode
+        group = self.tp.device_group or self.tp.group  # what carries device tensors
+        if mode == "cuda" and not capturable(self.tp.size, group):
+            logger.warning("CUDA graphs off: the TP group's collectives (%s) cannot be "
+                           "captured; decode steps run eagerly", group)
+            return None
+        return mode
+
+    def _capture_graphs(self, mode: str, caches: list[tuple[torch.Tensor, ...]]
+                        ) -> DecodeGraphs:
+        """The decode graphs over `caches` (the pool's blocks and the dummy one after them),
+        captured now: at start-up, before any request."""
+        num_blocks = self.config.cache.num_blocks
+        graphs = DecodeGraphs(
+            self.model, caches, self.config.capture_sizes, block_size=self.block_size,
+            max_model_len=self.config.model.max_model_len, dummy_block=num_blocks,
+            device=self.device, make_graph=step_graph_factory(mode))
+        graphs.capture()
+        return graphs
+
+    def _allocate_kv_caches(self, extra_blocks: int = 0) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer (k, v), or (k, v, k_scale, v_scale) for an int8 cache; zero-filled.
+        `extra_blocks` past the pool's (the decode graphs' dummy block)."""
         cfg, cache = self.config.model, self.config.cache
         assert cache.num_blocks is not None, "size the cache with config.with_num_blocks first"
         num_kv_heads = self.tp.split(cfg.num_kv_heads, "num_key_value_heads")
         dtype = torch.int8 if cache.cache_dtype == "int8" else self.dtype
         return [
-            allocate_kv_cache(
-                cache.num_blocks, self.block_size, num_kv_heads, cfg.head_dim, dtype, self.device
-            )
+            allocate_kv_cache(cache.num_blocks + extra_blocks, self.block_size, num_kv_heads,
+                              cfg.head_dim, dtype, self.device)
             for _ in range(cfg.num_layers)
         ]
 
@@ -113,9 +153,18 @@ class ModelRunner:
     def _forward(
         self, plan: SchedulerOutput, layer_hook: Callable[[int], None] | None
     ) -> RunnerOutput:
-        """`layer_hook(i)` is called as soon as layer i's K/V are stored."""
-        input_ids, positions, meta, sample_rows = self._prepare(plan)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, layer_hook)  # [T, H]
+        """`layer_hook(i)` is called as soon as layer i's K/V are stored (after a graph's
+        replay, for every layer at once)."""
+        size = self.graphs.batch_size(plan) if self.graphs is not None else None
+        if size is None:
+            input_ids, positions, meta, sample_rows = self._prepare(plan)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, layer_hook)  # [T, H]
+        else:
+            hidden = self.graphs.replay(plan, size)  # [num_decodes, H]
+            if layer_hook is not None:  # the replay stored every layer's K/V
+                for layer in range(self.config.model.num_layers):
+                    layer_hook(layer)
+            sample_rows = _sample_rows(plan, np.arange(1, len(plan.requests) + 1), self.device)
         prompt = compute_prompt_logprobs(self.model.compute_logits, hidden, plan.requests)
         result = self._sample(plan, hidden, sample_rows)
         return replace(result, prompt_logprobs=prompt) if prompt and self.tp.rank == 0 else result
@@ -239,11 +288,17 @@ class ModelRunner:
             )
         lora = self.loras.mapping(plan) if self.loras is not None else None
         meta = AttentionMetadata(t(slots), num_decodes, decode, prefill, lora)
-        sample_rows = [  # the last token's, and with drafts every draft's and the one before
-            row for i, e in enumerate(reqs) if e.sampling_params
-            for row in range(int(ends[i]) - 1 - e.num_spec_tokens, int(ends[i]))
-        ]
-        return t(token_ids), t(positions), meta, torch.tensor(sample_rows, device=self.device)
+        return t(token_ids), t(positions), meta, _sample_rows(plan, ends, self.device)
+
+
+def _sample_rows(plan: SchedulerOutput, ends: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The rows of the step's hidden states to sample from: each sampling request's last
+    token's, and with drafts every draft's and the one before. `ends`: each request's end."""
+    rows = [
+        row for i, e in enumerate(plan.requests) if e.sampling_params
+        for row in range(int(ends[i]) - 1 - e.num_spec_tokens, int(ends[i]))
+    ]
+    return torch.tensor(rows, device=device)
 
 
 def _runner_output(

@@ -1,8 +1,11 @@
 """Rank 0 of a tensor-parallel group decides; every rank executes the same messages.
 
 Messages travel as JSON bytes over the TP group's broadcast (no pickle): a length, then the
-bytes. A message is a kind and a body: "plan" (the step to execute), "stop", "idle", or a
-kind the follower's owner handles (e.g. the decode worker's "expect" / "admit" / "cancel").
+bytes, both CPU tensors, so they ride the group's gloo side even on CUDA, where NCCL carries
+only the model's tensors (TensorParallel.broadcast): no host-device copy per message, and a
+follower's wait for the next message is a host wait bounded by the group's timeout. A
+message is a kind and a body: "plan" (the step to execute), "stop", "idle", or a kind the
+follower's owner handles (e.g. the decode worker's "expect" / "admit" / "cancel").
 
 Every collective of the group has a bounded timeout (so a hung rank fails the step rather
 than wedging the group forever). A follower spends rank 0's idle time blocked in the next

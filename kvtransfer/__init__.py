@@ -7,6 +7,8 @@
     handshake.py    the signed connect handshake (cluster secret, layout checked before any KV)
     connector.py    the two roles: Connector (sender side), Listener (receiver side)
     rendezvous.py   GlooConnector / GlooListener: channels from a TCPStore, no global world
+                    (gloo control groups; data groups gloo on CPU, NCCL on CUDA)
+    device_groups.py  which backend carries a device's tensors; the one-GPU NCCL refusal
     sender.py       KVSender: plan a batch per destination rank, push layer by layer
     receiver.py     KVReceiver: expect / poll / wait / cancel
     push_connector.py     KVPushConnector: the prefill side of engine.kv_connector (KVSender)

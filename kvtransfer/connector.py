@@ -9,7 +9,9 @@ is posted, and a peer without the cluster secret gets no channel at all.
 
 `Connector` (sender side) caches one channel per destination rank and reopens it once it is
 closed; `Listener` (receiver side) hands accepted channels to the receiver. Implementations:
-`kvtransfer.rendezvous` (TCPStore + gloo/NCCL) and `kvtransfer.loopback` (in-process).
+`kvtransfer.rendezvous` (TCPStore + gloo/NCCL) and `kvtransfer.loopback` (in-process). A
+transport's `device` is the device kind its data groups carry (None: any, in-process): the
+sender and receiver refuse a KV cache on another kind at construction.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import abc
 import logging
 import threading
 from collections.abc import Callable
+
+import torch
 
 from pdserve.kvtransfer.channel import PairChannel
 from pdserve.kvtransfer.descriptor import Endpoint
@@ -36,6 +40,8 @@ __all__ = ["AcceptFn", "ChannelFn", "Connector", "Listener"]
 class Connector(abc.ABC):
     """Sender side: one cached channel per destination rank, reopened after a close.
     Transports implement `_open` (gloo over a TCPStore, or the in-process loopback)."""
+
+    device: torch.device | None = None  # whose tensors its channels carry; None: any
 
     def __init__(self, source: Endpoint) -> None:
         self.source = source
@@ -84,6 +90,7 @@ class Listener(abc.ABC):
     """Receiver side: accepts channels on `endpoint` until closed."""
 
     endpoint: Endpoint
+    device: torch.device | None = None  # whose tensors its channels carry; None: any
 
     @abc.abstractmethod
     def listen(self, accept: AcceptFn, on_channel: ChannelFn) -> None:

@@ -23,6 +23,7 @@ class ErrorCode(IntEnum):
     PEER_LOST = 6  # the other process died or closed the channel
     SHUTDOWN = 7  # this end is shutting down
     UNAUTHENTICATED = 8  # the peer does not hold this cluster's secret (kvtransfer.handshake)
+    DEVICE_CONFLICT = 9  # the pair's devices can't be joined (two ends on one GPU under NCCL)
 
 
 class TransferError(RuntimeError):

@@ -15,7 +15,8 @@ transfer (which cells have landed), internal to it.
 
 On a tensor-parallel group rank 0 holds the records and tells the other ranks to expect,
 admit or cancel each transfer on their own receivers (`follower_handlers`): a request runs
-only once every rank's KV-head shard has landed (an all-reduce of failure votes).
+only once every rank's KV-head shard has landed (an all-reduce of failure votes: CPU
+tensors, so on CUDA too they cross the group's gloo side, TensorParallel.all_reduce_host).
 """
 
 from __future__ import annotations
@@ -194,7 +195,7 @@ class KVReceiveConnector(KVConnector):
             transfers = [[self._incoming[r].descriptor.transfer_id.hex(),
                           self._incoming[r].descriptor.deadline] for r in request_ids]
             publish(self.tp, "admit", {"transfers": transfers})
-            votes = self.tp.all_reduce(torch.zeros(len(request_ids), dtype=torch.int64))
+            votes = self.tp.all_reduce_host(torch.zeros(len(request_ids), dtype=torch.int64))
         else:
             votes = torch.zeros(len(request_ids), dtype=torch.int64)
         admitted, lost = [], []
@@ -238,7 +239,7 @@ def follower_handlers(receiver: KVReceiver, tp: TensorParallel) -> dict[str, Han
         receiver.expect(TransferDescriptor.decode(body["descriptor"]))
 
     def admit(body: dict[str, Any]) -> None:
-        tp.all_reduce(admission_votes(receiver, body))
+        tp.all_reduce_host(admission_votes(receiver, body))
 
     def cancel(body: dict[str, Any]) -> None:
         receiver.cancel(bytes.fromhex(body["transfer"]), body.get("reason", "cancelled"))

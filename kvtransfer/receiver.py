@@ -30,6 +30,7 @@ import torch
 from pdserve.kvtransfer.channel import PairChannel
 from pdserve.kvtransfer.connector import Listener
 from pdserve.kvtransfer.descriptor import Endpoint, TransferDescriptor
+from pdserve.kvtransfer.device_groups import check_transport_device
 from pdserve.kvtransfer.errors import ErrorCode, TransferError
 from pdserve.kvtransfer.header import DEFAULT_MAX_PAYLOAD_NBYTES, Kind, MessageHeader
 from pdserve.kvtransfer.inbox import ChannelReader
@@ -62,6 +63,7 @@ class KVReceiver:
         self.layout, self.endpoint = layout, listener.endpoint
         self.head_start, self.head_end = layout.head_ranges(dest_tp)[self.endpoint.rank]
         self.device = check_kv_caches(layout, kv_caches, self.head_end - self.head_start)
+        check_transport_device(listener.device, self.device, "KVReceiver")
         self.landing = Landing(layout, kv_caches, (self.head_start, self.head_end), backend,
                                max_payload_nbytes, max_inflight)
         self._listener = listener

@@ -12,7 +12,14 @@ Handshake (keys under `pdkv/v2/<rank>/`, messages of kvtransfer.handshake):
     receiver  accept thread: pops "q", verifies, answers a signed "ok" or
               "refused:<code>:<reason>" at "ack/<nonce>"; never blocks on a peer
     both      control group  ProcessGroupGloo(PrefixStore(pair_name(nonce) + "/c"), 0|1, 2)
-              data group     the same under "/d", or ProcessGroupNCCL on CUDA
+              data group     the same under "/d" on CPU; on CUDA (the connector's and the
+                             listener's `device`, from the worker spec) ProcessGroupNCCL under
+                             "/d", once the two ends traded device identities over the control
+                             group and proved to be on two GPUs (kvtransfer.device_groups):
+                             NCCL can't pair one GPU with itself, so that is refused at once
+                             with TransferError(DEVICE_CONFLICT) instead of failing later.
+                             Both ends need the same device kind: a CPU end facing a CUDA
+                             one fails within the connect timeout (PEER_LOST, says why)
 The receiver forms each pair's groups in a thread of its own (at most
 `max_pending_handshakes` at once, each bounded by the connect timeout), so a peer that
 posts a request and never joins delays nobody else. The sender is rank 0, the receiver rank
@@ -40,6 +47,15 @@ from pdserve.cluster_secret import ClusterSecret
 from pdserve.kvtransfer.channel import RECEIVER, SENDER, PairChannel
 from pdserve.kvtransfer.connector import AcceptFn, ChannelFn, Connector, Listener
 from pdserve.kvtransfer.descriptor import Endpoint
+from pdserve.kvtransfer.device_groups import (
+    DeviceIdentity,
+    IdentityFn,
+    collective_backend,
+    gather_identities,
+    local_identity,
+    nccl_group,
+    shared_gpu_reason,
+)
 from pdserve.kvtransfer.errors import ErrorCode, TransferError
 from pdserve.kvtransfer.handshake import (
     ConnectRequest,
@@ -93,20 +109,41 @@ class StoreReasons:
 
 def make_groups(
     store: dist.Store, name: str, rank: int, host: str, device: torch.device,
-    timeout: timedelta,
+    timeout: timedelta, *, identity: IdentityFn = local_identity,
 ) -> tuple[Any, Any]:
-    """(control, data) 2-rank groups under the store prefix `name`; blocks for the peer."""
+    """(control, data) 2-rank groups under the store prefix `name`; blocks for the peer.
+
+    The control group is gloo (headers are CPU bytes); the data group carries tensors of
+    `device`: gloo on CPU, NCCL on CUDA, formed only once the two ends proved to be on two
+    GPUs (`identity(device)` traded over the control group; TransferError otherwise)."""
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout  # bounds the connect; every later wait passes its own timeout
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     control = dist.ProcessGroupGloo(dist.PrefixStore(f"{name}/c", store), rank, 2, opts)
-    if device.type == "cuda":
-        nccl_opts = dist.ProcessGroupNCCL.Options()
-        nccl_opts._timeout = timeout
-        data = dist.ProcessGroupNCCL(dist.PrefixStore(f"{name}/d", store), rank, 2, nccl_opts)
+    if collective_backend(device) == "nccl":
+        refuse_one_gpu(control, identity(device), timeout)
+        data = nccl_group(dist.PrefixStore(f"{name}/d", store), rank, 2, timeout)
     else:
         data = dist.ProcessGroupGloo(dist.PrefixStore(f"{name}/d", store), rank, 2, opts)
     return control, data
+
+
+def refuse_one_gpu(control: Any, mine: DeviceIdentity, timeout: timedelta) -> None:
+    """Trade device identities over the pair's gloo control group; TransferError when both
+    ends are on one GPU (NCCL would fail their first send) or the peer sends none."""
+    try:
+        pair = gather_identities(control, 2, mine, timeout)
+    except (RuntimeError, ValueError) as e:
+        raise TransferError(
+            f"the peer sent no valid device identity within {timeout.total_seconds():g} s "
+            f"({e}): it is gone, or it runs on another device kind; both ends of a KV pair "
+            "must run with the same --device", ErrorCode.PEER_LOST) from None
+    why = shared_gpu_reason(pair, "KV pair (prefill rank 0, decode rank 1)",
+                            "give the prefill and decode workers different GPUs (Ray "
+                            "num_gpus per worker, or distinct CUDA_VISIBLE_DEVICES), or run "
+                            "both with --device cpu")
+    if why is not None:
+        raise TransferError(why, ErrorCode.DEVICE_CONFLICT)
 
 
 def _client(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
@@ -123,12 +160,16 @@ def _client(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
 
 
 class GlooConnector(Connector):
-    """Sender side over TCPStore rendezvous; one store client per destination store."""
+    """Sender side over TCPStore rendezvous; one store client per destination store.
+
+    `device` is where the KV it sends lives (the worker spec's): its channels' data groups
+    are gloo on CPU, NCCL on CUDA; the name says what the handshake and headers ride on."""
 
     def __init__(self, source: Endpoint, device: torch.device | str = "cpu",
                  connect_timeout_s: float = 10.0, *, secret: ClusterSecret) -> None:
         super().__init__(source)
         self.device = torch.device(device)
+        collective_backend(self.device)  # an unsupported device fails here, not per channel
         self.timeout = timedelta(seconds=connect_timeout_s)
         self._secret = check_secret(secret)
         self._stores: dict[tuple[str, int], tuple[dist.TCPStore, StoreReasons]] = {}
@@ -169,7 +210,8 @@ class GlooConnector(Connector):
 
 
 class GlooListener(Listener):
-    """Receiver side: hosts (or joins) a TCPStore and accepts channels in a thread."""
+    """Receiver side: hosts (or joins) a TCPStore and accepts channels in a thread; `device`
+    as for GlooConnector (the receiving KV cache's: NCCL data groups on CUDA)."""
 
     def __init__(
         self, host: str = "127.0.0.1", rank: int = 0, port: int = 0, host_store: bool = True,
@@ -180,6 +222,7 @@ class GlooListener(Listener):
             raise ValueError(f"max_pending_handshakes must be an int >= 1, "
                              f"got {max_pending_handshakes!r}")
         self.host, self.device = host, torch.device(device)
+        collective_backend(self.device)
         self.timeout = timedelta(seconds=connect_timeout_s)
         self._secret, self._replays = check_secret(secret), ReplayGuard()
         self.max_pending_handshakes = max_pending_handshakes

@@ -34,6 +34,7 @@ from pdserve.kernels.backend import get_backend
 from pdserve.kvtransfer.channel import Op, PairChannel
 from pdserve.kvtransfer.connector import Connector
 from pdserve.kvtransfer.descriptor import Endpoint, TransferDescriptor
+from pdserve.kvtransfer.device_groups import check_transport_device
 from pdserve.kvtransfer.errors import ErrorCode, TransferError
 from pdserve.kvtransfer.header import MAX_TRANSFERS, Kind, MessageHeader, TransferSlice
 from pdserve.kvtransfer.layout import KVLayout, check_kv_caches, routes_from
@@ -111,6 +112,7 @@ class KVSender:
         self.layout, self.source, self.source_tp = layout, connector.source, source_tp
         self.head_start, self.head_end = layout.head_ranges(source_tp)[self.source.rank]
         self.device = check_kv_caches(layout, kv_caches, self.head_end - self.head_start)
+        check_transport_device(connector.device, self.device, "KVSender")
         self.kv_caches = kv_caches
         self._ops = backend or get_backend(self.device)
         self._connector = connector

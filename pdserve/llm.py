@@ -42,6 +42,9 @@ class LLM:
     `generate(..., lora_request=LoRARequest(name, int_id, path))`, one for every prompt or a
     list with one (or None) per prompt; up to `max_loras` adapters of rank <= `max_lora_rank`
     run in one step, `max_cpu_loras` stay in host memory.
+    On CUDA, decode steps replay CUDA graphs captured at start-up for the batch sizes
+    `cuda_graph_sizes` (default: 1, 2, 4, 8, 16, ... up to max_num_seqs), each step padded to
+    the next; `enforce_eager=True` captures none, as vLLM's (engine/cuda_graphs.py).
     """
 
     def __init__(
@@ -69,6 +72,8 @@ class LLM:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        enforce_eager: bool = False,
+        cuda_graph_sizes: Sequence[int] | None = None,
     ) -> None:
         speculative = parse_speculative_config(speculative_config)  # refused before any load
         path = resolve_model(model)
@@ -89,6 +94,8 @@ class LLM:
             kernel_backend=kernel_backend,
             speculative=speculative,
             lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
+            enforce_eager=enforce_eager,
+            cuda_graph_sizes=None if cuda_graph_sizes is None else tuple(cuda_graph_sizes),
         )
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(path, tokenizer)
         self.engine = LLMEngine(config, self.tokenizer)

@@ -42,6 +42,8 @@ class WorkerSpec:
     max_num_batched_tokens: int = 2048
     device: str = "cpu"
     kernel_backend: str | None = None
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (engine.cuda_graphs)
+    cuda_graph_sizes: list[int] | None = None  # the decode batch sizes captured; None: default
     seed: int = 0
     num_threads: int | None = None
     # MoE experts split whole over a decode group's ranks (engine.models.moe), not sliced
@@ -116,6 +118,8 @@ class WorkerSpec:
             num_threads=self.num_threads,
             seed=self.seed,
             kernel_backend=self.kernel_backend,
+            enforce_eager=self.enforce_eager,
+            cuda_graph_sizes=tuple(self.cuda_graph_sizes or ()) or None,
             speculative=parse_speculative_config(self.speculative_config),
             lora=self._lora(),
         )

@@ -5,8 +5,9 @@ every transfer descriptor), builds the worker, then serves. Blocking RPCs run on
 thread pool; the engine itself runs on the worker's loop thread.
 
 Every RPC needs the cluster secret (pdserve.worker_grpc), and so does every KV channel it
-opens; with the spec's TLS files the port is mutual TLS as well. Prefill's status codes, as
-the router reads them: INVALID_ARGUMENT a bad field (nothing was queued), ABORTED the KV
+opens (`kv_connector`: on the spec's device, so NCCL carries a CUDA worker's KV); with the
+spec's TLS files the port is mutual TLS as well. Prefill's status codes, as the router reads
+them: INVALID_ARGUMENT a bad field (nothing was queued), ABORTED the KV
 transfer failed on the decode side's account (refused, closed, timed out) or the request was
 aborted, DEADLINE_EXCEEDED the descriptor's deadline (capped at now + max_reservation_s)
 passed, INTERNAL this worker's step failed, UNAVAILABLE only when this worker is closing or
@@ -114,6 +115,12 @@ def _status_of(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.UNAVAILABLE  # closed, or its loop died
 
 
+def kv_connector(spec: WorkerSpec, port: int, secret: ClusterSecret) -> GlooConnector:
+    """The worker's KV sender transport: its endpoint is the gRPC address (rank 0), and its
+    data groups carry tensors of the spec's device (NCCL on CUDA, as the decode listeners)."""
+    return GlooConnector(Endpoint(spec.host, port, 0), device=spec.device, secret=secret)
+
+
 class PrefillService:
     """A PrefillWorker behind its gRPC server; `address` is what the router dials."""
 
@@ -127,11 +134,8 @@ class PrefillService:
             self.publisher = PrefixIndexPublisher(
                 spec.redis_url, redis_password, spec.redis_namespace, spec.worker_id
             )
-        self.worker = PrefillWorker(
-            spec.engine_config(),
-            GlooConnector(Endpoint(spec.host, self.port, 0), secret=secret),
-            spec.model_name, self.publisher,
-        )
+        self.worker = PrefillWorker(spec.engine_config(), kv_connector(spec, self.port, secret),
+                                    spec.model_name, self.publisher)
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
             PrefillServicer(self.worker, spec.worker_id, spec.max_reservation_s), self.server
         )

@@ -5,16 +5,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
+from tests.kernel_device import set_interpreter
 
-# Triton kernels run in the interpreter on CPU; must be set before `kernels` is imported.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Triton's interpreter, unless in GPU mode; must be set before `kernels` is imported.
+set_interpreter(os.environ)
 
-import pytest
+import pytest  # noqa: E402
 
-from pdserve.engine.default_model import ensure_default_model
-from tests.tiny_models import write_tiny_model
+from pdserve.engine.default_model import ensure_default_model  # noqa: E402
+from tests.tiny_models import write_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -35,14 +35,19 @@ ARCHITECTURES = {
 
 
 def write_tiny_model(
-    out: str | Path, model_type: str = "llama", seed: int = 0, **overrides: Any
+    out: str | Path, model_type: str = "llama", seed: int = 0, tokenizer: bool = True,
+    **overrides: Any,
 ) -> Path:
-    """A random checkpoint sharing SmolLM2's tokenizer (so text prompts work), at `out`."""
+    """A random checkpoint sharing SmolLM2's tokenizer (so text prompts work), at `out`.
+
+    `tokenizer=False` writes none (prompts are token ids; `vocab_size` is then an override):
+    where SmolLM2 is not at hand, as on a lent GPU machine (scripts/gpu_check.sh).
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     out = Path(out)
-    tokenizer = AutoTokenizer.from_pretrained(str(ensure_default_model()))
-    values = {**_BASE, "vocab_size": len(tokenizer), **overrides}
+    tok = AutoTokenizer.from_pretrained(str(ensure_default_model())) if tokenizer else None
+    values = {**_BASE, **({"vocab_size": len(tok)} if tok else {}), **overrides}
     values.setdefault("tie_word_embeddings", model_type == "qwen2")
     config = AutoConfig.for_model(model_type, **values)
     config.architectures = [ARCHITECTURES[model_type]]
@@ -55,5 +60,6 @@ def write_tiny_model(
             else:
                 param.normal_(0.0, 0.15 if "embed" in name else 0.1)
     model.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
+    if tok is not None:
+        tok.save_pretrained(str(out))
     return out

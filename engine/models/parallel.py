@@ -41,12 +41,18 @@ class TensorParallel:
 
     The group is used through its own methods, so it needs no global default world: a
     decode group's ranks build it from a rendezvous store like any pairwise group.
+
+    `group` is gloo and carries the CPU tensors (`broadcast`, `all_reduce_host`: rank 0's plan
+    messages, admission votes); `device_group`, when set (NCCL on CUDA), carries the model's
+    (`all_reduce`, `all_gather_last`: activations, logits), which gloo can't carry on CUDA.
+    None: `group` carries everything (a CPU model).
     """
 
     rank: int = 0
     size: int = 1
     group: Any = None
     expert_parallel: bool = False  # MoE experts whole on each rank, not sliced (engine.models.moe)
+    device_group: Any = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size or (self.size > 1 and self.group is None):
@@ -58,18 +64,27 @@ class TensorParallel:
         return total // self.size
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum the model's tensor `x` over the ranks, in place."""
+        if self.size > 1:
+            (self.device_group or self.group).allreduce([x]).wait()
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' parts of the model's tensor `x` side by side (last dimension)."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        (self.device_group or self.group).allgather([parts], [x.contiguous()]).wait()
+        return torch.cat(parts, dim=-1)
+
+    def all_reduce_host(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum a CPU tensor (admission votes) over the ranks, in place, on the gloo group."""
         if self.size > 1:
             self.group.allreduce([x]).wait()
         return x
 
-    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size == 1:
-            return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        self.group.allgather([parts], [x.contiguous()]).wait()
-        return torch.cat(parts, dim=-1)
-
     def broadcast(self, x: torch.Tensor, root: int = 0) -> torch.Tensor:
+        """`root`'s CPU tensor (rank 0's plan messages) to every rank, on the gloo group."""
         if self.size > 1:
             self.group.broadcast(x, root).wait()
         return x

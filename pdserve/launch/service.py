@@ -195,6 +195,8 @@ class Service:
                 quantization=s.quantization, quantization_group_size=s.quantization_group_size,
                 max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                 device=s.device, kernel_backend=s.kernel_backend, seed=s.seed,
+                enforce_eager=s.enforce_eager or role == "prefill",  # prompts: no graph gains
+                cuda_graph_sizes=s.graph_sizes(),
                 num_threads=self._threads(role), host=s.worker_host,
                 redis_url=redis_url if role == "prefill" else None,
                 speculative_config=speculative if role == "decode" else None,

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import defaults
-from pdserve.engine.config import LoRAConfig
+from pdserve.engine.config import LoRAConfig, check_cuda_graph_sizes
 from pdserve.engine.spec.config import parse_speculative_config
 from pdserve.redis_keys import DEFAULT_NAMESPACE
 from pdserve.router.lora_adapters import parse_lora_modules
@@ -56,6 +56,12 @@ class ServeSettings:
     max_num_batched_tokens: int = _opt(2048, "tokens per engine step (chunked prefill)")
     device: str = _opt("cpu", "torch device of the workers: cpu | cuda")
     kernel_backend: str | None = _opt(None, "cpu | torch | triton (default: by device)")
+    enforce_eager: bool = _opt(
+        False, "decode steps run eagerly: no CUDA graphs captured (vLLM's); graphs are only "
+        "ever used on CUDA, and prefill workers never capture them")
+    cuda_graph_sizes: str | None = _opt(
+        None, "decode batch sizes captured as CUDA graphs, e.g. '1 2 4 8 16' (default: 1, 2, "
+        "4, then every multiple of 8 up to max_num_seqs)")
     seed: int = _opt(0, "engine seed for unseeded sampling")
     speculative_config: str | None = _opt(
         None, "speculative decoding in the decode (and colocated) workers, JSON as vLLM's: "
@@ -183,6 +189,7 @@ class ServeSettings:
             raise ValueError("api_token and api_token_file are both set: give the token(s) "
                              "one way (api_token_file keeps them out of argv and env)")
         parse_speculative_config(self.speculative_config)  # ValueError naming the bad field
+        self.graph_sizes()
         self.lora_config()
         parse_lora_modules(self.lora_modules)
         if self.tool_call_parser not in TOOL_PARSERS:
@@ -192,6 +199,17 @@ class ServeSettings:
             raise ValueError(
                 f"kv_transfer_timeout_s must be a positive number, got {self.kv_transfer_timeout_s}"
             )
+
+    def graph_sizes(self) -> list[int] | None:
+        """--cuda-graph-sizes as a list (spaces or commas between sizes); None: the default."""
+        if self.cuda_graph_sizes is None:
+            return None
+        try:
+            sizes = [int(x) for x in self.cuda_graph_sizes.replace(",", " ").split()]
+        except ValueError:
+            raise ValueError(f"cuda_graph_sizes: {self.cuda_graph_sizes!r} is not a list of "
+                             "integers such as '1 2 4 8'") from None
+        return list(check_cuda_graph_sizes(sizes))
 
     def lora_config(self) -> dict[str, Any] | None:
         """The workers' LoRAConfig fields (checked), or None: LoRA is on with enable_lora or

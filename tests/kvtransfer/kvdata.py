@@ -18,14 +18,14 @@ SECRET = ClusterSecret.generate()
 TINY = KVLayout("tiny-llama", "float32", block_size=4, num_layers=3, num_kv_heads=4, head_dim=8)
 
 
-def full_caches(layout: KVLayout, num_blocks: int, seed: int) -> Caches:
+def full_caches(layout: KVLayout, num_blocks: int, seed: int, device: str = "cpu") -> Caches:
     """All KV heads, every value non-zero (so a block never written stays visibly zero)."""
     g = torch.Generator().manual_seed(seed)
     shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
 
     def one() -> torch.Tensor:
         x = torch.rand(shape, generator=g, dtype=torch.float32) + 0.5
-        return x.to(layout.torch_dtype)
+        return x.to(device, layout.torch_dtype)
 
     return [(one(), one()) for _ in range(layout.num_layers)]
 
@@ -36,10 +36,11 @@ def shard(caches: Caches, head_start: int, head_end: int) -> Caches:
             for k, v in caches]
 
 
-def zero_caches(layout: KVLayout, num_blocks: int, num_heads: int) -> Caches:
+def zero_caches(layout: KVLayout, num_blocks: int, num_heads: int, device: str = "cpu") -> Caches:
     shape = (num_blocks, layout.block_size, num_heads, layout.head_dim)
-    return [(torch.zeros(shape, dtype=layout.torch_dtype),
-             torch.zeros(shape, dtype=layout.torch_dtype)) for _ in range(layout.num_layers)]
+    return [(torch.zeros(shape, dtype=layout.torch_dtype, device=device),
+             torch.zeros(shape, dtype=layout.torch_dtype, device=device))
+            for _ in range(layout.num_layers)]
 
 
 def endpoints(port: int, n: int, host: str = "127.0.0.1") -> list[Endpoint]:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import pytest
 import torch
 
 from pdserve.kvtransfer import ErrorCode, KVReceiver, KVSender, LoopbackHub, TransferError
+from tests.kernel_device import kernel_device
 from tests.kvtransfer.kvdata import (
     SECRET,
     TINY,
@@ -22,18 +24,21 @@ from tests.kvtransfer.kvdata import (
 
 SRC_BLOCKS = 12
 DST_BLOCKS = 16
+# The round trip also runs on a GPU in the kernel tests' GPU mode (scripts/gpu_check.sh): CUDA
+# caches through the real sender, receiver and the Triton block packing.
+DEVICE = kernel_device(os.environ)
 
 
 class Cluster:
-    """p prefill ranks and d decode ranks on one hub."""
+    """p prefill ranks and d decode ranks on one hub, their caches on `device`."""
 
-    def __init__(self, p: int, d: int, layout=TINY, sender_layout=None) -> None:
+    def __init__(self, p: int, d: int, layout=TINY, sender_layout=None, device="cpu") -> None:
         self.hub, self.layout = LoopbackHub(), layout
         self.src_eps, self.dst_eps = endpoints(1000, p), endpoints(2000, d)
-        self.source = full_caches(layout, SRC_BLOCKS, seed=p * 10 + d)
+        self.source = full_caches(layout, SRC_BLOCKS, seed=p * 10 + d, device=device)
         self.receivers, self.dest_caches = [], []
         for ep, (h0, h1) in zip(self.dst_eps, layout.head_ranges(d)):
-            caches = zero_caches(layout, DST_BLOCKS, h1 - h0)
+            caches = zero_caches(layout, DST_BLOCKS, h1 - h0, device)
             self.dest_caches.append(caches)
             self.receivers.append(
                 KVReceiver(layout, self.hub.listener(ep, secret=SECRET), d, caches))
@@ -67,14 +72,16 @@ class Cluster:
             r.close()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("p", [1, 2])
 @pytest.mark.parametrize("d", [1, 2, 4])
-def test_round_trip_with_resharding(p: int, d: int) -> None:
-    c = Cluster(p, d)
+def test_round_trip_with_resharding(p: int, d: int, dtype: str) -> None:
+    layout = dataclasses.replace(TINY, dtype=dtype)
+    c = Cluster(p, d, layout, device=DEVICE)
     requests = [([0, 1, 2], [9, 4, 15]), ([5], [0]), ([7, 3, 10, 11], [1, 2, 3, 8])]
     descs = [c.expect(dst, name=f"r{i}") for i, (_, dst) in enumerate(requests)]
     c.push([(desc, src) for desc, (src, _) in zip(descs, requests)])
-    for j, (r, (h0, h1)) in enumerate(zip(c.receivers, TINY.head_ranges(d))):
+    for j, (r, (h0, h1)) in enumerate(zip(c.receivers, layout.head_ranges(d))):
         for desc in descs:
             assert r.wait(desc.transfer_id, timeout=5)
         for src, dst in requests:

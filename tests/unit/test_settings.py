@@ -20,7 +20,8 @@ CHOICES = {"mode": ("disaggregated", "colocated"), "tool_call_parser": ("hermes"
 # text fields whose values have a form: valid samples
 SAMPLES = {"speculative_config": [f'{{"method": "ngram", "num_speculative_tokens": {n}}}'
                                   for n in (1, 2, 3)],
-           "lora_modules": ["a=/adapters/a", "b=/adapters/b c=/adapters/c", '{"d": "/d"}']}
+           "lora_modules": ["a=/adapters/a", "b=/adapters/b c=/adapters/c", '{"d": "/d"}'],
+           "cuda_graph_sizes": ["1 2 4", "8,16", "3"]}
 OPTIONAL = [f.name for f in FIELDS if f.default is None]
 
 
@@ -279,6 +280,8 @@ def test_wrong_type_in_yaml_names_file_and_key(parser, tmp_path, key: str, value
         ("port", 65536),
         ("metrics_port", -1),
         ("kv_transfer_timeout_s", 0.0),
+        ("cuda_graph_sizes", "4,2"),
+        ("cuda_graph_sizes", "1,x"),
     ],
 )
 def test_invalid_value_names_the_field_in_every_layer(parser, tmp_path, key: str, value) -> None:
