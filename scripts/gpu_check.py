@@ -101,10 +101,10 @@ class Check:
         argv = ["-m", "pip", "install", "--no-deps", "--no-index", "--no-compile",
                 "--disable-pip-version-check", "--target", str(self.target),
                 *map(str, chosen)]
-        code, _ = self.run("install", argv, 120)
+        code, _ = self.run("install", argv, 60)
         if code != 0:
             return Result("install", "FAILED", time.monotonic() - start, "pip install failed")
-        code, text = self.run("install", ["-c", PROBE], 120)
+        code, text = self.run("install", ["-c", PROBE], 40)
         seconds = time.monotonic() - start
         probe = _last_json(text) if code == 0 else None
         if probe is None:
@@ -227,12 +227,12 @@ def check(out: Path, wheels: Path, target: Path, dry_run: bool) -> list[Result]:
     if results[0].status != "ok":
         return results + [Result(s, "skipped", 0.0, "install failed")
                           for s in ("kernels", "model", "data-plane", "benchmark")]
-    results.append(c.kernels(240))
-    results.append(c.pytest("model", ["tests/on_device"], 120))
+    results.append(c.kernels(180))  # the bounds add up to 480 s: 8 minutes
+    results.append(c.pytest("model", ["tests/on_device/test_greedy.py"], 100))
     results.append(c.pytest("data-plane", [
         "tests/kvtransfer/test_loopback.py::test_round_trip_with_resharding",
-        "tests/on_device/test_kv_pair.py"], 45))
-    results.append(c.benchmark(90))
+        "tests/on_device/test_kv_pair.py"], 40))
+    results.append(c.benchmark(60))
     return results
 
 

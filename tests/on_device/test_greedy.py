@@ -52,7 +52,7 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
 
 def _generate(path: str, device: str, backend: str | None, args: dict, logprobs: int | None):
     llm = LLM(path, device=device, kernel_backend=backend, skip_tokenizer_init=True,
-              num_kv_blocks=64, max_model_len=256, seed=0, **args)
+              num_kv_blocks=64, max_model_len=256, max_num_seqs=8, seed=0, **args)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
                             logprobs=logprobs)
     return llm.generate(PROMPTS, params)
