@@ -7,6 +7,7 @@ a new config, never from mutation.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -26,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16", "float16")
 CACHE_DTYPES = ("auto", "int8")
+SCHEDULING_POLICIES = ("fcfs", "srpt")  # engine.step_budget.srpt_order for "srpt"
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -233,10 +235,20 @@ def with_num_blocks(
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous batching limits: sequences per step and tokens per step (chunked prefill)."""
+    """Continuous batching limits: sequences per step and tokens per step (chunked prefill).
+
+    `step_target_s` also sizes steps in time (engine.step_budget): once a couple of steps have
+    been timed, a step takes only the tokens that should last about that long (decodes
+    always run, prefill makes at least a block of progress), so a burst of prompts is
+    prefilled over several short steps and the first ones get their first token early. None:
+    the token budget alone. `scheduling_policy` orders admission: "fcfs" (arrival order) or
+    "srpt" (shortest remaining prefill first, aged by waiting time so long prompts still go).
+    """
 
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    step_target_s: float | None = None
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -245,6 +257,14 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
+        target = self.step_target_s
+        if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
+                                   or not 0 < target < math.inf):
+            raise ValueError(f"step_target_s must be a number of seconds > 0 (or None: token "
+                             f"budget only), got {target!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}"
+                             f", got {self.scheduling_policy!r}")
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,11 @@ allow. When the pool runs dry it preempts the newest running request by recomput
 blocks are freed and it waits at the front of the queue, keeping its generated tokens.
 The scheduler owns the queues; the KV manager owns the blocks. No torch.
 
+With `step_target_s` the token budget is also sized in time by the scheduler's step-time
+model (engine.step_budget), which the engine feeds through `observe_step` after each step;
+with `scheduling_policy="srpt"` waiting requests are admitted shortest remaining prefill
+first, aged by waiting time (preempted ones still first). Running requests keep their order.
+
 With a KV connector (engine.kv_connector) a request's prompt KV may come from elsewhere:
 `reserve_remote` holds its blocks and leaves it with the connector, in no queue, until a
 `poll` at the top of `schedule` says it is ready (it then runs from its first token) or
@@ -17,7 +22,9 @@ that its transfer failed (it ends with an error). Outputs made there leave with 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.engine.config import SchedulerConfig
@@ -33,6 +40,7 @@ from pdserve.engine.scheduler_output import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from pdserve.engine.step_budget import StepTimeModel, srpt_order, token_budget, tokens_per_s
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +61,13 @@ class Scheduler:
     def __init__(
         self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
         connector: KVConnector | None = None, max_loras: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`max_loras`: the most LoRA adapters one step may run (the runner's slots)."""
+        """`max_loras`: the most LoRA adapters one step may run (the runner's slots).
+        `clock`: the time base of requests' `arrival_time` (tests pass their own)."""
         self.config = config
+        self.step_time = StepTimeModel()  # fed by observe_step; sizes steps, rates prompts
+        self._clock = clock
         self.max_loras = max_loras
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
@@ -143,9 +155,37 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._apply_connector_events()
-        budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         adapters: set[LoRARequest] = set()  # of the step's requests: at most max_loras
+        budget, preempted = self._schedule_running(scheduled, adapters, self.step_token_budget())
+        if not preempted:
+            self._admit_waiting(scheduled, adapters, budget)
+        self._inflight = self._plan(scheduled)
+        return self._inflight
+
+    def step_token_budget(self) -> int:
+        """Tokens the next step may compute: `max_num_batched_tokens`, or with `step_target_s`
+        (once the step-time model can predict) what should last about that long, but never
+        less than the running decodes need plus a block of prefill progress."""
+        cap, target = self.config.max_num_batched_tokens, self.config.step_target_s
+        if target is None:
+            return cap
+        decodes = sum(1 + len(r.spec_token_ids) for r in self.running
+                      if r.num_tokens - r.num_computed_tokens == 1)
+        floor = decodes + self.kv_cache.block_size
+        return token_budget(self.step_time.fit(), target, floor, cap)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """The engine ran a step of `num_tokens` tokens in `seconds` (wall time of the
+        runner's execute, a prefill worker's KV pushes included): it teaches the step-time
+        model. Steps that computed nothing are ignored."""
+        self.step_time.observe(num_tokens, seconds)
+
+    def _schedule_running(
+        self, scheduled: list[tuple[Request, int]], adapters: set[LoRARequest], budget: int,
+    ) -> tuple[int, bool]:
+        """Give running requests their next tokens, in order, preempting the newest when the
+        pool runs dry. Returns the budget left and whether anyone was preempted."""
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -169,8 +209,17 @@ class Scheduler:
                 scheduled.append((request, num_new))
                 budget -= num_new
                 i += 1
+        return budget, preempted
+
+    def _admit_waiting(
+        self, scheduled: list[tuple[Request, int]], adapters: set[LoRARequest], budget: int,
+    ) -> None:
+        """Admit waiting requests, in the policy's order, while budget, seqs and pool allow."""
+        if self.config.scheduling_policy == "srpt":
+            rate = tokens_per_s(self.step_time.fit())
+            self.waiting = deque(srpt_order(self.waiting, self._clock(), rate))
         held: list[Request] = []  # a grammar compiling or no adapter slot: they keep their place
-        while self.waiting and budget > 0 and not preempted:
+        while self.waiting and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
@@ -198,8 +247,6 @@ class Scheduler:
             scheduled.append((request, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(held))
-        self._inflight = self._plan(scheduled)
-        return self._inflight
 
     def _adapter_fits(self, request: Request, adapters: set[LoRARequest]) -> bool:
         """Whether the step may run `request`'s LoRA adapter (then counted in `adapters`)."""

@@ -40,6 +40,9 @@ class WorkerSpec:
     enable_prefix_caching: bool = True
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # a step sized to last about this long (prefill workers); None: the token budget alone
+    step_target_s: float | None = None
+    scheduling_policy: str = "fcfs"  # the waiting queue's order: fcfs | srpt
     device: str = "cpu"
     kernel_backend: str | None = None
     enforce_eager: bool = False  # no CUDA graphs for decode steps (engine.cuda_graphs)
@@ -113,7 +116,9 @@ class WorkerSpec:
                 enable_prefix_caching=self.enable_prefix_caching,
                 cache_dtype=self.kv_cache_dtype,
             ),
-            scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens),
+            scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,
+                                      step_target_s=self.step_target_s,
+                                      scheduling_policy=self.scheduling_policy),
             device=self.device,
             num_threads=self.num_threads,
             seed=self.seed,

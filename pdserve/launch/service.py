@@ -19,6 +19,7 @@ import os
 import secrets
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from pdserve import cluster_secret, defaults
 from pdserve.cluster_secret import ClusterSecret
@@ -151,6 +152,15 @@ class Service:
     def _num_prefill(self) -> int:
         return 0 if self.settings.mode == "colocated" else self.settings.prefill_workers
 
+    def _prefill_policy(self, role: str) -> dict[str, Any]:
+        """A prefill worker's steps sized in time and its queue order; others keep the token
+        budget and arrival order (a decode step's length is its batch's, not a target's)."""
+        s = self.settings
+        if role != "prefill":
+            return {}
+        return {"step_target_s": s.prefill_step_ms / 1e3 or None,
+                "scheduling_policy": s.scheduling_policy}
+
     def _threads(self, role: str) -> int:
         """Unless given: decode ranks split all the cores, prefill workers split them with every
         other worker process (2 + 1 on 2 cores; a lone colocated worker gets them all). Decode
@@ -194,6 +204,7 @@ class Service:
                 kv_cache_dtype=s.kv_cache_dtype, enable_prefix_caching=s.enable_prefix_caching,
                 quantization=s.quantization, quantization_group_size=s.quantization_group_size,
                 max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                **self._prefill_policy(role),
                 device=s.device, kernel_backend=s.kernel_backend, seed=s.seed,
                 enforce_eager=s.enforce_eager or role == "prefill",  # prompts: no graph gains
                 cuda_graph_sizes=s.graph_sizes(),

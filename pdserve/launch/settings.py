@@ -54,6 +54,13 @@ class ServeSettings:
     enable_prefix_caching: bool = _opt(True, "reuse KV of shared prompt prefixes")
     max_num_seqs: int = _opt(64, "sequences per engine step")
     max_num_batched_tokens: int = _opt(2048, "tokens per engine step (chunked prefill)")
+    prefill_step_ms: float = _opt(
+        200.0, "prefill workers size each step to last about this long, from a fit of their "
+        "measured step times, so the first prompts of a burst are not held behind the rest "
+        "(0: no target, max_num_batched_tokens alone)")
+    scheduling_policy: str = _opt(
+        "srpt", "prefill workers' queue order: srpt (shortest remaining prompt first, aged "
+        "so that none starves) | fcfs")
     device: str = _opt("cpu", "torch device of the workers: cpu | cuda")
     kernel_backend: str | None = _opt(None, "cpu | torch | triton (default: by device)")
     enforce_eager: bool = _opt(
@@ -173,6 +180,11 @@ class ServeSettings:
             raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if not 0 <= self.prefill_step_ms < math.inf:
+            raise ValueError(f"prefill_step_ms must be >= 0 (0: off), got {self.prefill_step_ms}")
+        if self.scheduling_policy not in ("srpt", "fcfs"):
+            raise ValueError(f"scheduling_policy must be srpt or fcfs, got "
+                             f"{self.scheduling_policy!r}")
         if self.mode not in ("disaggregated", "colocated"):
             raise ValueError(f"mode must be disaggregated or colocated, got {self.mode!r}")
         for name in ("port", "metrics_port", "http_port"):

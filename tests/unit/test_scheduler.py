@@ -64,14 +64,18 @@ class FakeRunner:
         return RunnerOutput(sampled, {})
 
 
-def run_random_load(seed: int, prefix_caching: bool, max_loras: int | None = None) -> None:
+def run_random_load(seed: int, prefix_caching: bool, max_loras: int | None = None,
+                    config: SchedulerConfig | None = None) -> None:
     """`max_loras`: requests run with one of four LoRA adapters (or none), at most that many
-    adapters in a step."""
-    rng = random.Random(seed)
+    adapters in a step. Each step is "timed" at about 1 ms + 0.1 ms a token, and the clock
+    and arrivals advance 1 ms a step and a request, so a step budget or SRPT order applies."""
+    rng, timing = random.Random(seed), random.Random(seed + 1000)
     block_size, num_blocks, max_model_len = 4, 40, 160
     kv = KVCacheManager(num_blocks, block_size, prefix_caching)
-    config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24)
-    scheduler = Scheduler(config, kv, max_model_len, max_loras=max_loras)
+    config = config or SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24)
+    steps = 0
+    scheduler = Scheduler(config, kv, max_model_len, max_loras=max_loras,
+                          clock=lambda: steps * 1e-3)
     adapters = [None, *(LoRARequest(f"a{i}", i, f"/a{i}") for i in range(1, 5))]
     runner = FakeRunner(num_blocks, block_size)
     shared = [rng.randrange(8, VOCAB) for _ in range(40)]
@@ -87,8 +91,8 @@ def run_random_load(seed: int, prefix_caching: bool, max_loras: int | None = Non
         expected[str(i)] = reference(prompt, max_tokens, max_model_len)
         params = SamplingParams(max_tokens=max_tokens)
         lora = rng.choice(adapters) if max_loras else None
-        pending.append(Request(str(i), tuple(prompt), params, (EOS,), lora=lora))
-    steps = 0
+        pending.append(Request(str(i), tuple(prompt), params, (EOS,), arrival_time=i * 1e-3,
+                               lora=lora))
     while pending or scheduler.has_unfinished_requests():
         for _ in range(rng.randrange(0, 3)):
             if pending:
@@ -101,7 +105,10 @@ def run_random_load(seed: int, prefix_caching: bool, max_loras: int | None = Non
         assert plan.total_num_tokens <= config.max_num_batched_tokens
         assert len(plan.requests) <= config.max_num_seqs
         assert len({e.lora for e in plan.requests if e.lora}) <= (max_loras or 0)
-        for out in scheduler.update(plan, runner.execute(plan)):
+        result = runner.execute(plan)
+        scheduler.observe_step(plan.total_num_tokens,
+                               (1e-3 + 1e-4 * plan.total_num_tokens) * timing.uniform(0.8, 1.2))
+        for out in scheduler.update(plan, result):
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
         steps += 1
         assert steps < 5000, "scheduler made no progress"

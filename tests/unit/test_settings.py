@@ -16,7 +16,8 @@ FIELDS = dataclasses.fields(ServeSettings)
 FIELD_NAMES = [f.name for f in FIELDS]
 NON_BOOL = [f.name for f in FIELDS if not isinstance(f.default, bool)]
 # fields with a fixed set of values: too few for the three-layer precedence test
-CHOICES = {"mode": ("disaggregated", "colocated"), "tool_call_parser": ("hermes", "llama3_json")}
+CHOICES = {"mode": ("disaggregated", "colocated"), "tool_call_parser": ("hermes", "llama3_json"),
+           "scheduling_policy": ("srpt", "fcfs")}
 # text fields whose values have a form: valid samples
 SAMPLES = {"speculative_config": [f'{{"method": "ngram", "num_speculative_tokens": {n}}}'
                                   for n in (1, 2, 3)],
@@ -281,6 +282,8 @@ def test_wrong_type_in_yaml_names_file_and_key(parser, tmp_path, key: str, value
         ("metrics_port", -1),
         ("kv_transfer_timeout_s", 0.0),
         ("cuda_graph_sizes", "4,2"),
+        ("prefill_step_ms", -1.0),
+        ("scheduling_policy", "lifo"),
         ("cuda_graph_sizes", "1,x"),
     ],
 )
