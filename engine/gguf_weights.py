@@ -7,15 +7,25 @@ bit. Q5_0, Q5_1 and the K-quants (Q4_K, Q5_K, Q6_K: what Q4_K_M / Q5_K_M files h
 kernel here: they are dequantized with gguf-py to dense fp32, as transformers' GGUF loader does,
 and so is every member of a fused q/k/v or gate/up group whose members' types differ.
 
-Two architectures, named as transformers names them: `llama` (Llama, Mistral, SmolLM2: rows of
-attn_q / attn_k put back in Hugging Face order, since llama.cpp interleaves them for its RoPE)
-and `gemma3` (no interleaving; llama.cpp's converter stores every Gemma RMSNorm weight as 1 + w,
-the factor the norm multiplies by, so 1 is subtracted back, in fp32, as transformers does).
+Five dense architectures, named as llama.cpp's converter (convert_hf_to_gguf.py) names them.
+`llama` (Llama, Mistral, SmolLM2): the converter interleaves the rows of attn_q / attn_k for
+llama.cpp's LLaMA-style RoPE (adjacent pairs rotated), so they are put back in Hugging Face order
+(each head's halves rotated). `qwen2` (q/k/v biases), `qwen3` (per-head q/k norms) and `phi3`
+run with NeoX RoPE there, which rotates halves as Hugging Face does: their rows are unchanged.
+`phi3` keeps Hugging Face's fused attn_qkv (q, k, v rows) and ffn_up (gate, then up rows); they
+are yielded as the q/k/v and gate/up parts the loader routes, cut by rows as the loader's
+`split_fused` cuts a safetensors Phi-3 (head counts from the metadata), quantized blocks kept;
+its longrope factor tensors are skipped (config.json holds them). `gemma3`: no interleaving; the
+converter stores each Gemma RMSNorm weight as 1 + w, so 1 is subtracted back, in fp32, as
+transformers does. Mixture-of-experts files (qwen3moe; Mixtral converted as llama) are refused.
 
-Every yielded tensor owns its memory: the file is read through a memory map and only one tensor
-is decoded at a time. `read_gguf` parses the header itself: gguf-py's GGUFReader builds a numpy
-view per array element, ~9 s for Gemma 3's 262k-token vocabulary, where this takes a fraction
-of a second.
+Every yielded tensor owns its memory (none is a view of the file): the file is read through a
+memory map and only one tensor is decoded at a time. `read_gguf` parses the header itself:
+gguf-py's GGUFReader builds a numpy view per array element, ~9 s for Gemma 3's 262k-token
+vocabulary, where this takes a fraction of a second.
+
+One file past ~400 lines: the header, the name maps and the block decoding are one format's
+reading, and none of them is used apart.
 """
 
 from __future__ import annotations
@@ -61,14 +71,20 @@ class _Arch:
     norm_shift: float  # llama.cpp stored each *norm.weight as w + this
 
 
+_LLAMA_NAMES = {**_PROJECTIONS, "ffn_norm": "post_attention_layernorm"}
 _ARCHS = {
-    "llama": _Arch({**_PROJECTIONS, "ffn_norm": "post_attention_layernorm"}, True, 0.0),
+    "llama": _Arch(_LLAMA_NAMES, True, 0.0),
+    "qwen2": _Arch(_LLAMA_NAMES, False, 0.0),  # q/k/v biases: the same names, .bias
+    "qwen3": _Arch({**_LLAMA_NAMES, "attn_q_norm": "self_attn.q_norm",
+                    "attn_k_norm": "self_attn.k_norm"}, False, 0.0),
+    # Phi3ForCausalLM's fused matrices as Hugging Face names them (split in `_split_fused`);
+    # llama.cpp also reads a phi3 file with separate attn_q / attn_k / attn_v
+    "phi3": _Arch({**_LLAMA_NAMES, "attn_qkv": "self_attn.qkv_proj",
+                   "ffn_up": "mlp.gate_up_proj"}, False, 0.0),
     # Gemma3ForCausalLM: two norms around attention, two around the MLP, per-head q/k norms
-    "gemma3": _Arch({**_PROJECTIONS,
-                     "attn_q_norm": "self_attn.q_norm",
-                     "attn_k_norm": "self_attn.k_norm",
+    "gemma3": _Arch({**_PROJECTIONS, "attn_q_norm": "self_attn.q_norm",
+                     "attn_k_norm": "self_attn.k_norm", "ffn_norm": "pre_feedforward_layernorm",
                      "post_attention_norm": "post_attention_layernorm",
-                     "ffn_norm": "pre_feedforward_layernorm",
                      "post_ffw_norm": "post_feedforward_layernorm"}, False, 1.0),
 }
 # Tensors our network fuses into one linear (q/k/v, gate/up), which takes one form: blocks of
@@ -76,9 +92,14 @@ _ARCHS = {
 # beside attn_q Q5_0 in Gemma 3's), so such a group loads dense.
 _FUSED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up",
           "ffn_up": "gate_up"}
-# Precomputed RoPE frequency factors (Llama 3): Hugging Face derives them from config.json's
-# rope_scaling and has no tensor for them, as transformers' GGUF loader skips them too.
-_SKIPPED = {"rope_freqs.weight"}
+# Llama 3's RoPE frequency factors and Phi-3's longrope ones: Hugging Face reads them from
+# config.json's rope_scaling and has no tensor for them (transformers' GGUF loader skips them).
+_SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+# Stacked experts and their router (ffn_gate_exps, ffn_gate_inp, shared ffn_*_shexp)
+_EXPERTS = re.compile(r"blk\.\d+\.ffn_\w+_(?:exps|inp|shexp)\.(?:weight|bias)")
+# Phi-3's fused q/k/v and gate/up, by Hugging Face name
+_FUSED_HF = re.compile(r"(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\."
+                       r"(weight|bias)")
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL = re.compile(r"(\w+)\.(weight|bias)")
 
@@ -112,12 +133,10 @@ def gguf_file(model_dir: Path) -> Path | None:
 
 
 def iter_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """Yield every tensor of the llama or gemma3 GGUF file `path` under its Hugging Face name."""
+    """Yield every tensor of the llama, qwen2, qwen3, phi3 or gemma3 GGUF file `path` under its
+    Hugging Face name (Phi-3's fused attn_qkv / ffn_up as their q/k/v and gate/up parts)."""
     file = read_gguf(path)
-    arch = _ARCHS.get(file.arch)
-    if arch is None:
-        raise ValueError(f"GGUF file {path}: general.architecture is {file.arch!r}; pdserve "
-                         f"reads {' and '.join(_ARCHS)} GGUF files")
+    arch = _architecture(file, path)
     heads = _field(file, f"{file.arch}.attention.head_count", path)
     kv_heads = _field(file, f"{file.arch}.attention.head_count_kv", path, default=heads)
     dense_groups = _mixed_fused_groups(file.tensors)
@@ -134,17 +153,62 @@ def iter_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]
             n = _per_layer(heads if ".attn_q." in tensor.name else kv_heads, layer)
             data = data[_unpermute_rows(data.shape[0], n, tensor.name)]
         if arch.norm_shift and "norm.weight" in tensor.name:
-            yield name, torch.from_numpy(_dequantize(data, kind) - np.float32(arch.norm_shift))
+            weight = torch.from_numpy(_dequantize(data, kind) - np.float32(arch.norm_shift))
         elif kind in KEPT_BITS and _fused_group(tensor.name) in dense_groups:
-            yield name, torch.from_numpy(_dequantize(data, kind))
+            weight = torch.from_numpy(_dequantize(data, kind))
         else:
-            yield name, _decode(tensor.name, kind, data)
+            weight = _decode(tensor.name, kind, data)
+        if _FUSED_HF.fullmatch(name):
+            head_counts = (_per_layer(heads, layer), _per_layer(kv_heads, layer))
+            yield from _split_fused(name, weight, head_counts, tensor.name)
+        else:
+            yield name, weight
+
+
+def _architecture(file: GGUFFile, path: Path) -> _Arch:
+    """The file's architecture; ValueError for any other, and for mixture-of-experts files."""
+    experts = next((t.name for t in file.tensors if _EXPERTS.fullmatch(t.name)), None)
+    if experts is not None or "moe" in file.arch:
+        found = f" (tensor {experts})" if experts else ""
+        raise ValueError(f"GGUF file {path}: {file.arch!r} is a mixture-of-experts model"
+                         f"{found}; pdserve reads dense GGUF files only: serve its Hugging "
+                         "Face checkpoint instead")
+    arch = _ARCHS.get(file.arch)
+    if arch is None:
+        raise ValueError(f"GGUF file {path}: general.architecture is {file.arch!r}; pdserve "
+                         f"reads {', '.join(_ARCHS)} GGUF files")
+    return arch
+
+
+def _split_fused(name: str, weight: torch.Tensor | QuantizedWeight, head_counts: tuple[int, int],
+                 gguf_name: str) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """Phi-3's fused qkv_proj (q, k, v rows) or gate_up_proj (gate, up halves) as its parts,
+    named as the loader's `split_fused` names them; QuantizedWeight rows keep their blocks."""
+    prefix, fused, param = _FUSED_HF.fullmatch(name).groups()
+    rows = weight.shape[0]
+    if fused == "mlp.gate_up_proj":
+        parts, sizes = ("mlp.gate_proj", "mlp.up_proj"), (rows // 2, rows // 2)
+    else:
+        heads, kv_heads = head_counts
+        head_dim = rows // (heads + 2 * kv_heads)
+        parts = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        sizes = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+    if sum(sizes) != rows:
+        raise ValueError(f"GGUF tensor {gguf_name}: {rows} rows do not split into "
+                         f"{' / '.join(p.split('.')[-1] for p in parts)} parts")
+    start = 0
+    for part, size in zip(parts, sizes):
+        piece = weight.narrow(0, start, size)
+        if isinstance(piece, torch.Tensor):
+            piece = piece.clone()  # no dense part keeps its siblings' memory alive
+        yield f"{prefix}{part}.{param}", piece
+        start += size
 
 
 def _fused_group(gguf_name: str) -> tuple[str, str] | None:
     """(block, fused linear) of a q/k/v or gate/up weight; None for any other tensor."""
     match = _BLOCK.fullmatch(gguf_name)
-    if match is None or match[2] not in _FUSED:
+    if match is None or match[2] not in _FUSED or match[3] != "weight":  # biases stay dense
         return None
     return match[1], _FUSED[match[2]]
 

@@ -1,4 +1,5 @@
-"""GGUF blocks read as QuantizedWeight: bit-exact against gguf's own dequantization."""
+"""GGUF blocks read as QuantizedWeight: bit-exact against gguf's own dequantization; Qwen2, Qwen3
+and Phi-3 files laid out as llama.cpp's converter lays them out read back as their checkpoint."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pdserve.engine.gguf_weights import gguf_file, hf_name, iter_gguf
+from pdserve.engine.config import load_model_config
+from pdserve.engine.gguf_weights import gguf_file, hf_name, iter_gguf, read_gguf
+from pdserve.engine.loader import split_fused
 from pdserve.kernels.quant_weights import QuantizedWeight, dequantize
+from tests.gguf_files import checkpoint, dequantized, write_gguf
+from tests.tiny_models import write_tiny_model
 
 Q = gguf.GGMLQuantizationType
 HEADS, KV_HEADS, HIDDEN, FFN = 4, 2, 64, 96
@@ -135,9 +140,9 @@ def test_a_refused_type_names_the_tensor_and_its_type(tmp_path):
 
 def test_other_architectures_and_unknown_tensors_are_refused(tmp_path):
     x = (np.ones(32, dtype=np.float32), Q.F32)
-    with pytest.raises(ValueError, match="general.architecture is 'qwen2'; pdserve reads "
-                                         "llama and gemma3 GGUF files"):
-        list(iter_gguf(_write(tmp_path / "q.gguf", {"output_norm.weight": x}, arch="qwen2")))
+    with pytest.raises(ValueError, match="general.architecture is 'falcon'; pdserve reads "
+                                         "llama, qwen2, qwen3, phi3, gemma3 GGUF files"):
+        list(iter_gguf(_write(tmp_path / "f.gguf", {"output_norm.weight": x}, arch="falcon")))
     with pytest.raises(ValueError, match="GGUF tensor blk.0.ssm_a has no Hugging Face"):
         list(iter_gguf(_write(tmp_path / "u.gguf", {"blk.0.ssm_a": x})))
     skipped = _write(tmp_path / "r.gguf", {"rope_freqs.weight": x, "output_norm.weight": x})
@@ -188,3 +193,64 @@ def test_smollm2_matches_its_converted_checkpoint(smollm2_dir, smollm2_gguf):
             dense = dequantize(w) if isinstance(w, QuantizedWeight) else w
             # transformers made it with gguf.quants.dequantize and the same un-permutation
             assert torch.equal(dense, ref), name
+
+
+# --- Qwen2, Qwen3 and Phi-3 files as llama.cpp's converter writes them --------------------------
+
+LONGROPE = {"type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
+            "long_factor": [2.0 + i for i in range(8)]}
+CONVERTED = {"qwen2": {}, "qwen3": {"head_dim": 32},  # head_dim != hidden / heads
+             "phi3": {"pad_token_id": 0, "original_max_position_embeddings": 512,
+                      "rope_scaling": LONGROPE}}
+
+
+@pytest.fixture(scope="module")
+def converted_dirs(tmp_path_factory):
+    """Tiny random checkpoints, one per architecture (no tokenizer: nothing is generated)."""
+    return {arch: write_tiny_model(tmp_path_factory.mktemp(arch), arch, seed=5, tokenizer=False,
+                                   vocab_size=96, **overrides)
+            for arch, overrides in CONVERTED.items()}
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0, Q.Q4_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("arch", sorted(CONVERTED))
+def test_converted_file_reads_back_as_its_checkpoint(converted_dirs, arch, qtype):
+    """Every tensor is the checkpoint's: exactly in F32 (no q/k row permutation for these
+    NeoX-RoPE models), gguf-py's dequantization of its blocks in Q8_0 / Q4_0 (kept as blocks);
+    Phi-3's fused attn_qkv / ffn_up cut into the parts the loader cuts its safetensors into,
+    whole rows of blocks; the longrope factor tensors skipped."""
+    model_dir = converted_dirs[arch]
+    path = write_gguf(model_dir, qtype, f"{qtype.name}.gguf")
+    names = {t.name for t in read_gguf(path).tensors}
+    if arch == "phi3":  # what llama.cpp's converter writes for a Phi-3
+        assert {"blk.1.attn_qkv.weight", "blk.1.ffn_up.weight", "rope_factors_long.weight",
+                "rope_factors_short.weight"} <= names and "blk.1.ffn_gate.weight" not in names
+    reference = checkpoint(model_dir) if qtype == Q.F32 else dequantized(model_dir, qtype)
+    want = dict(split_fused(reference.items(), load_model_config(model_dir)))
+    got = dict(iter_gguf(path))
+    assert sorted(got) == sorted(want)
+    for name, w in got.items():
+        if isinstance(w, QuantizedWeight):
+            assert (w.bits, w.group_size) == ({Q.Q8_0: 8, Q.Q4_0: 4}[qtype], 32), name
+            w = dequantize(w)
+        else:
+            assert qtype == Q.F32 or w.dim() == 1, name  # only norms and biases stay dense
+        assert w.dtype == torch.float32 and torch.equal(w, want[name]), name
+
+
+def test_mixture_of_experts_files_are_refused(tmp_path):
+    x = (np.ones((4, 32, 32), dtype=np.float32), Q.F32)
+    with pytest.raises(ValueError, match="'qwen3moe' is a mixture-of-experts model; pdserve "
+                                         "reads dense GGUF files only"):
+        list(iter_gguf(_write(tmp_path / "q.gguf", {"blk.0.attn_q.weight": x},
+                              arch="qwen3moe")))
+    with pytest.raises(ValueError, match=r"'llama' is a mixture-of-experts model \(tensor "
+                                         r"blk\.0\.ffn_gate_exps\.weight\)"):  # a Mixtral
+        list(iter_gguf(_write(tmp_path / "m.gguf", {"blk.0.ffn_gate_exps.weight": x})))
+
+
+def test_a_fused_qkv_that_does_not_split_into_the_heads_is_refused(tmp_path):
+    x = (np.ones((HIDDEN + 6, HIDDEN), dtype=np.float32), Q.F32)  # not (4 + 2 * 2) * head_dim
+    with pytest.raises(ValueError, match=r"GGUF tensor blk\.0\.attn_qkv\.weight: 70 rows do "
+                                         "not split into q_proj / k_proj / v_proj parts"):
+        list(iter_gguf(_write(tmp_path / "p.gguf", {"blk.0.attn_qkv.weight": x}, arch="phi3")))
