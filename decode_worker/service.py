@@ -182,6 +182,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             weight_bytes=s.weight_bytes, lora_adapters=s.lora_adapters,
             num_spec_verifications=s.num_spec_verifications,
             num_draft_tokens=s.num_draft_tokens, num_accepted_tokens=s.num_accepted_tokens,
+            step_token_budget=s.step_token_budget,
         )
 
     @staticmethod

@@ -24,8 +24,8 @@ memory map and only one tensor is decoded at a time. `read_gguf` parses the head
 gguf-py's GGUFReader builds a numpy view per array element, ~9 s for Gemma 3's 262k-token
 vocabulary, where this takes a fraction of a second.
 
-One file past ~400 lines: the header, the name maps and the block decoding are one format's
-reading, and none of them is used apart.
+Why one file: the header, the name maps and the block decoding are one format's reading, and
+none of them is used apart.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ class WorkerStats:
     quantization: str = ""  # the weights' ("" = dense)
     weight_bytes: int = 0  # this rank's weights as held
     lora_adapters: tuple[str, ...] = ()  # the LoRA adapters it holds
+    step_token_budget: int = 0  # what its next step may compute (Scheduler.step_token_budget)
 
     @property
     def num_used_blocks(self) -> int:
@@ -60,4 +61,5 @@ class WorkerStats:
             quantization=config.model.quantization.method if config.model.quantization else "",
             weight_bytes=core.runner.weight_bytes,
             lora_adapters=core.runner.loras.loaded if core.runner.loras is not None else (),
+            step_token_budget=scheduler.step_token_budget(),
         )

@@ -161,6 +161,10 @@ class RouterMetrics:
         )
         self.kv_usage = Gauge("pdserve_kv_usage_ratio", "Used / total KV blocks of a worker.",
                               ["worker"], registry=reg)
+        self.step_token_budget = Gauge(
+            "pdserve_step_token_budget",
+            "Tokens a worker's next engine step may compute (a prefill worker sizes its steps "
+            "in time: --prefill-step-ms).", ["worker"], registry=reg)
         self.worker_up = Gauge(
             "pdserve_worker_up",
             "1 when the worker answers health checks.",
@@ -226,10 +230,13 @@ class RouterMetrics:
         self.inflight.set(inflight)
 
     def set_worker(
-        self, worker_id: str, role: str, up: bool, num_blocks: int, num_free_blocks: int
+        self, worker_id: str, role: str, up: bool, num_blocks: int, num_free_blocks: int,
+        step_token_budget: int = 0,
     ) -> None:
-        """Health and KV capacity of one worker (prefill workers report their own pool)."""
+        """Health, KV capacity and step budget of one worker (prefill workers report their own
+        pool)."""
         self.worker_up.labels(worker_id, role).set(1 if up else 0)
+        self.step_token_budget.labels(worker_id).set(step_token_budget)
         self.kv_blocks_total.labels(worker_id).set(num_blocks)
         self.kv_blocks_free.labels(worker_id).set(num_free_blocks)
         used = num_blocks - num_free_blocks
@@ -238,7 +245,8 @@ class RouterMetrics:
     def remove_worker(self, worker_id: str) -> None:
         """Drop every series of a worker that left (so dashboards don't show it frozen)."""
         self.worker_up.remove_by_labels({"worker": worker_id})
-        for gauge in (self.kv_blocks_total, self.kv_blocks_free, self.kv_usage):
+        for gauge in (self.kv_blocks_total, self.kv_blocks_free, self.kv_usage,
+                      self.step_token_budget):
             gauge.remove(worker_id)
         self.speculation.remove(worker_id)
 

@@ -274,6 +274,10 @@ def test_model_info_stats_and_metrics(service):
     text = urllib.request.urlopen(url, timeout=5).read()
     assert sample_value(text, name) == before + 3  # one TTFT per request, seen by the router
     assert sample_value(text, "pdserve_kv_blocks_total", {"worker": "decode-0"}) == 256
+    # the decode worker's steps take the token budget; the prefill worker's are sized in time
+    budget = {w: sample_value(text, "pdserve_step_token_budget", {"worker": w})
+              for w in ("prefill-0", "decode-0")}
+    assert budget["decode-0"] == 512 and 16 <= budget["prefill-0"] <= 512
 
 
 def call_error(address: str, request: pdserve_pb2.GenerateRequest) -> grpc.RpcError:

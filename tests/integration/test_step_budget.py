@@ -1,6 +1,6 @@
 """Steps sized in time and SRPT admission on the tiny model: the same greedy fp32 tokens as
 first-come-first-served under the token budget, over more, smaller steps; every step's
-timing reaches the scheduler's fit.
+timing reaches the scheduler's fit, and the worker's stats report the step budget.
 
 The tiny model's per-token cost is lost in timing noise, so the timed engine sizes its steps
 by a fixed line (a stand-in for its step-time model): the chunking is the same on any
@@ -14,6 +14,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, lo
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step_budget import StepFit
+from pdserve.engine.worker_stats import WorkerStats
 
 LENGTHS = (120, 90, 5, 60, 12, 150, 30, 8)
 
@@ -71,7 +72,7 @@ def test_timed_steps_and_srpt_keep_greedy_outputs(tiny_llama_dir):
     assert max(steps) == 64 and len(steps) > len(fcfs_steps) + 5
     assert first[:4] == ["r2", "r7", "r4", "r6"]  # 5, 8, 12, 30 tokens: all in step one
     assert fcfs_first[:3] == ["r0", "r1", "r2"]
-    assert timed.core.scheduler.step_token_budget() == 64
+    assert WorkerStats.from_core(timed.core).step_token_budget == 64
 
 
 def test_every_step_that_computed_reaches_the_fit(tiny_llama_dir):

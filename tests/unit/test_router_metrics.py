@@ -84,7 +84,7 @@ def test_gauges_workers_and_removal():
     m.set_queue(depth=3, inflight=7)
     m.set_redis_up(True)
     m.set_worker("d0", "decode", True, num_blocks=200, num_free_blocks=50)
-    m.set_worker("p0", "prefill", False, num_blocks=0, num_free_blocks=0)
+    m.set_worker("p0", "prefill", False, num_blocks=0, num_free_blocks=0, step_token_budget=96)
     text = m.render()
     assert _sample(text, "pdserve_queue_depth") == 3
     assert _sample(text, "pdserve_requests_inflight") == 7
@@ -93,6 +93,7 @@ def test_gauges_workers_and_removal():
     assert _sample(text, 'pdserve_worker_up{role="prefill",worker="p0"}') == 0
     assert _sample(text, 'pdserve_kv_blocks_total{worker="d0"}') == 200
     assert _sample(text, 'pdserve_kv_blocks_free{worker="d0"}') == 50
+    assert _sample(text, 'pdserve_step_token_budget{worker="p0"}') == 96
     assert _sample(text, 'pdserve_kv_usage_ratio{worker="d0"}') == 0.75
     assert _sample(text, 'pdserve_kv_usage_ratio{worker="p0"}') == 0.0  # no pool: no divide
     m.set_redis_up(False)
