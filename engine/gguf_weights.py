@@ -12,12 +12,12 @@ Five dense architectures, named as llama.cpp's converter (convert_hf_to_gguf.py)
 llama.cpp's LLaMA-style RoPE (adjacent pairs rotated), so they are put back in Hugging Face order
 (each head's halves rotated). `qwen2` (q/k/v biases), `qwen3` (per-head q/k norms) and `phi3`
 run with NeoX RoPE there, which rotates halves as Hugging Face does: their rows are unchanged.
-`phi3` keeps Hugging Face's fused attn_qkv (q, k, v rows) and ffn_up (gate, then up rows); they
-are yielded as the q/k/v and gate/up parts the loader routes, cut by rows as the loader's
-`split_fused` cuts a safetensors Phi-3 (head counts from the metadata), quantized blocks kept;
-its longrope factor tensors are skipped (config.json holds them). `gemma3`: no interleaving; the
-converter stores each Gemma RMSNorm weight as 1 + w, so 1 is subtracted back, in fp32, as
-transformers does. Mixture-of-experts files (qwen3moe; Mixtral converted as llama) are refused.
+`phi3` keeps Hugging Face's fused attn_qkv (q, k, v rows) and ffn_up (gate, then up rows),
+yielded under Hugging Face's fused names: the loader's `split_fused` cuts them by rows, as for
+every format, quantized blocks kept; its longrope factor tensors are skipped (config.json holds
+them). `gemma3`: no interleaving; the converter stores each Gemma RMSNorm weight as 1 + w, so 1
+is subtracted back, in fp32, as transformers does. Mixture-of-experts files (qwen3moe;
+Mixtral converted as llama) are refused.
 
 Every yielded tensor owns its memory (none is a view of the file): the file is read through a
 memory map and only one tensor is decoded at a time. `read_gguf` parses the header itself:
@@ -77,7 +77,7 @@ _ARCHS = {
     "qwen2": _Arch(_LLAMA_NAMES, False, 0.0),  # q/k/v biases: the same names, .bias
     "qwen3": _Arch({**_LLAMA_NAMES, "attn_q_norm": "self_attn.q_norm",
                     "attn_k_norm": "self_attn.k_norm"}, False, 0.0),
-    # Phi3ForCausalLM's fused matrices as Hugging Face names them (split in `_split_fused`);
+    # Phi3ForCausalLM's fused matrices as Hugging Face names them (engine.loader.split_fused);
     # llama.cpp also reads a phi3 file with separate attn_q / attn_k / attn_v
     "phi3": _Arch({**_LLAMA_NAMES, "attn_qkv": "self_attn.qkv_proj",
                    "ffn_up": "mlp.gate_up_proj"}, False, 0.0),
@@ -98,8 +98,6 @@ _SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short
 # Stacked experts and their router (ffn_gate_exps, ffn_gate_inp, shared ffn_*_shexp)
 _EXPERTS = re.compile(r"blk\.\d+\.ffn_\w+_(?:exps|inp|shexp)\.(?:weight|bias)")
 # Phi-3's fused q/k/v and gate/up, by Hugging Face name
-_FUSED_HF = re.compile(r"(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\."
-                       r"(weight|bias)")
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL = re.compile(r"(\w+)\.(weight|bias)")
 
@@ -158,11 +156,7 @@ def iter_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]
             weight = torch.from_numpy(_dequantize(data, kind))
         else:
             weight = _decode(tensor.name, kind, data)
-        if _FUSED_HF.fullmatch(name):
-            head_counts = (_per_layer(heads, layer), _per_layer(kv_heads, layer))
-            yield from _split_fused(name, weight, head_counts, tensor.name)
-        else:
-            yield name, weight
+        yield name, weight
 
 
 def _architecture(file: GGUFFile, path: Path) -> _Arch:
@@ -178,31 +172,6 @@ def _architecture(file: GGUFFile, path: Path) -> _Arch:
         raise ValueError(f"GGUF file {path}: general.architecture is {file.arch!r}; pdserve "
                          f"reads {', '.join(_ARCHS)} GGUF files")
     return arch
-
-
-def _split_fused(name: str, weight: torch.Tensor | QuantizedWeight, head_counts: tuple[int, int],
-                 gguf_name: str) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """Phi-3's fused qkv_proj (q, k, v rows) or gate_up_proj (gate, up halves) as its parts,
-    named as the loader's `split_fused` names them; QuantizedWeight rows keep their blocks."""
-    prefix, fused, param = _FUSED_HF.fullmatch(name).groups()
-    rows = weight.shape[0]
-    if fused == "mlp.gate_up_proj":
-        parts, sizes = ("mlp.gate_proj", "mlp.up_proj"), (rows // 2, rows // 2)
-    else:
-        heads, kv_heads = head_counts
-        head_dim = rows // (heads + 2 * kv_heads)
-        parts = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-        sizes = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
-    if sum(sizes) != rows:
-        raise ValueError(f"GGUF tensor {gguf_name}: {rows} rows do not split into "
-                         f"{' / '.join(p.split('.')[-1] for p in parts)} parts")
-    start = 0
-    for part, size in zip(parts, sizes):
-        piece = weight.narrow(0, start, size)
-        if isinstance(piece, torch.Tensor):
-            piece = piece.clone()  # no dense part keeps its siblings' memory alive
-        yield f"{prefix}{part}.{param}", piece
-        start += size
 
 
 def _fused_group(gguf_name: str) -> tuple[str, str] | None:

@@ -3,6 +3,8 @@
 The formats differ only in how they are read: HF safetensors (dense), GPTQ/AWQ safetensors
 (`engine.quant_checkpoints`) and GGUF (`engine.gguf_weights`) each yield (HF tensor name,
 dense tensor or `QuantizedWeight`) pairs, and `load_tensors` routes every pair to its module.
+Phi-3's fused q/k/v and gate/up matrices are cut into their parts on the way, whatever the
+format (`split_fused`).
 """
 
 from __future__ import annotations
@@ -70,11 +72,12 @@ def load_weights(model: torch.nn.Module, path: str | Path,
         from pdserve.engine.gguf_weights import gguf_file, iter_gguf
 
         file = gguf_file(path)
-        load_tensors(model, iter_gguf(file), str(file))
+        load_tensors(model, split_fused(iter_gguf(file), model.config), str(file))
     elif method in ("gptq", "awq"):
         from pdserve.engine.quant_checkpoints import checkpoint_quantization, iter_quantized
 
-        load_tensors(model, iter_quantized(path, checkpoint_quantization(path)), str(path))
+        named = iter_quantized(path, checkpoint_quantization(path))
+        load_tensors(model, split_fused(named, model.config), str(path))
     else:
         named = split_fused(iter_safetensors(path), model.config)
         if quantization is not None and quantization.bits:
@@ -84,20 +87,29 @@ def load_weights(model: torch.nn.Module, path: str | Path,
 
 def split_fused(named: Iterable[tuple[str, Weight]], cfg: ModelConfig
                 ) -> Iterator[tuple[str, Weight]]:
-    """Phi-3's fused qkv_proj / gate_up_proj as the separate q/k/v, gate/up tensors."""
-    for name, tensor in named:
+    """Phi-3's fused qkv_proj / gate_up_proj as the separate q/k/v, gate/up weights, in every
+    checkpoint format: cut by rows, a QuantizedWeight keeping its blocks."""
+    for name, weight in named:
         match = _FUSED.fullmatch(name)
         if match is None:
-            yield name, tensor
+            yield name, weight
             continue
-        prefix, which = match[1], match[2]
-        if which == "mlp.gate_up_proj":
-            parts = dict(zip(("gate", "up"), tensor.chunk(2, dim=0)))
-            yield from ((f"{prefix}mlp.{p}_proj.weight", t.contiguous()) for p, t in parts.items())
-            continue
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        for part, t in zip("qkv", tensor.split([q, kv, kv], dim=0)):
-            yield f"{prefix}self_attn.{part}_proj.weight", t.contiguous()
+        prefix, rows = match[1], weight.shape[0]
+        if match[2] == "mlp.gate_up_proj":
+            parts = {"mlp.gate_proj": rows // 2, "mlp.up_proj": rows // 2}
+        else:
+            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            parts = {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv}
+        if sum(parts.values()) != rows:
+            raise ValueError(f"{name}: {rows} rows do not split into "
+                             f"{' / '.join(parts)} of {' / '.join(map(str, parts.values()))}")
+        start = 0
+        for part, size in parts.items():
+            piece = weight.narrow(0, start, size)
+            if isinstance(piece, torch.Tensor):
+                piece = piece.clone()  # a dense part owns its memory, not its siblings'
+            yield f"{prefix}{part}.weight", piece
+            start += size
 
 
 def _quantize_linears(named: Iterable[tuple[str, Weight]], quantization: Quantization

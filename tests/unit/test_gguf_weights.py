@@ -4,6 +4,7 @@ and Phi-3 files laid out as llama.cpp's converter lays them out read back as the
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -217,8 +218,8 @@ def converted_dirs(tmp_path_factory):
 def test_converted_file_reads_back_as_its_checkpoint(converted_dirs, arch, qtype):
     """Every tensor is the checkpoint's: exactly in F32 (no q/k row permutation for these
     NeoX-RoPE models), gguf-py's dequantization of its blocks in Q8_0 / Q4_0 (kept as blocks);
-    Phi-3's fused attn_qkv / ffn_up cut into the parts the loader cuts its safetensors into,
-    whole rows of blocks; the longrope factor tensors skipped."""
+    Phi-3's fused attn_qkv / ffn_up under Hugging Face's fused names, which the loader's
+    split_fused cuts by whole rows of blocks; the longrope factor tensors skipped."""
     model_dir = converted_dirs[arch]
     path = write_gguf(model_dir, qtype, f"{qtype.name}.gguf")
     names = {t.name for t in read_gguf(path).tensors}
@@ -226,8 +227,10 @@ def test_converted_file_reads_back_as_its_checkpoint(converted_dirs, arch, qtype
         assert {"blk.1.attn_qkv.weight", "blk.1.ffn_up.weight", "rope_factors_long.weight",
                 "rope_factors_short.weight"} <= names and "blk.1.ffn_gate.weight" not in names
     reference = checkpoint(model_dir) if qtype == Q.F32 else dequantized(model_dir, qtype)
-    want = dict(split_fused(reference.items(), load_model_config(model_dir)))
-    got = dict(iter_gguf(path))
+    assert sorted(name for name, _ in iter_gguf(path)) == sorted(reference)
+    config = load_model_config(model_dir)
+    want = dict(split_fused(reference.items(), config))
+    got = dict(split_fused(iter_gguf(path), config))
     assert sorted(got) == sorted(want)
     for name, w in got.items():
         if isinstance(w, QuantizedWeight):
@@ -249,8 +252,9 @@ def test_mixture_of_experts_files_are_refused(tmp_path):
         list(iter_gguf(_write(tmp_path / "m.gguf", {"blk.0.ffn_gate_exps.weight": x})))
 
 
-def test_a_fused_qkv_that_does_not_split_into_the_heads_is_refused(tmp_path):
-    x = (np.ones((HIDDEN + 6, HIDDEN), dtype=np.float32), Q.F32)  # not (4 + 2 * 2) * head_dim
-    with pytest.raises(ValueError, match=r"GGUF tensor blk\.0\.attn_qkv\.weight: 70 rows do "
-                                         "not split into q_proj / k_proj / v_proj parts"):
-        list(iter_gguf(_write(tmp_path / "p.gguf", {"blk.0.attn_qkv.weight": x}, arch="phi3")))
+def test_a_fused_qkv_that_does_not_split_into_the_heads_is_refused():
+    config = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=16)  # 64 + 32 + 32 rows
+    fused = [("model.layers.0.self_attn.qkv_proj.weight", torch.ones(HIDDEN + 6, HIDDEN))]
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.qkv_proj\.weight: 70 "
+                                         r"rows do not split into .*q_proj / .*v_proj of 64"):
+        list(split_fused(fused, config))
