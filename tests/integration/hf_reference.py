@@ -45,3 +45,13 @@ def mixed_prompts(vocab_size: int, seed: int, chat: tuple[tuple[int, ...], ...] 
         tail(120),
     ]
     return tuple(tuple(p) for p in prompts) + tuple(chat)
+
+
+def assert_same_greedy(got, want, atol: float = 1e-4) -> None:
+    """Two engines' outputs (logprobs asked for): the same tokens, log-probabilities within
+    `atol` (two weight layouts of the same values sum in other orders)."""
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(torch.tensor([t.logprob for t in a.logprobs]),
+                                   torch.tensor([t.logprob for t in b.logprobs]),
+                                   rtol=0, atol=atol)

@@ -10,14 +10,13 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import torch
 from safetensors.torch import save_file
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.models.parallel import ParallelLinear
 from pdserve.kernels.quant_weights import QuantizedWeight
 from tests.gguf_files import Q, dequantized, write_gguf
-from tests.integration.hf_reference import mixed_prompts
+from tests.integration.hf_reference import assert_same_greedy, mixed_prompts
 from tests.tiny_models import write_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
@@ -59,9 +58,4 @@ def test_gguf_generates_what_its_dense_weights_do(checkpoints, tmp_path, arch, q
                  m.kernel.weight.bits == 8 for m in linears]  # Q8_0: int8 blocks, not dense
     assert linears and all(q == (qtype == Q.Q8_0) for q in quantized)
     prompts = [list(mixed_prompts(VOCAB, seed=2)[i])[:100] for i in (0, 1, 3, 6)]  # 100, 1, 7, 33
-    got, want = served.generate(prompts, GREEDY), reference.generate(prompts, GREEDY)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    for a, b in zip(got, want):
-        torch.testing.assert_close(torch.tensor([t.logprob for t in a.logprobs]),
-                                   torch.tensor([t.logprob for t in b.logprobs]),
-                                   rtol=0, atol=1e-4)
+    assert_same_greedy(served.generate(prompts, GREEDY), reference.generate(prompts, GREEDY))
