@@ -183,6 +183,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             num_spec_verifications=s.num_spec_verifications,
             num_draft_tokens=s.num_draft_tokens, num_accepted_tokens=s.num_accepted_tokens,
             step_token_budget=s.step_token_budget,
+            num_computed_tokens=s.num_computed_tokens, **s.kv_tier_counts(),
         )
 
     @staticmethod

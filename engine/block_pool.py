@@ -96,15 +96,17 @@ class BlockPool:
             if block.ref_count == 0:
                 self._free[block.block_id] = None
 
-    def cache(self, block: Block, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
-        """Publish a full block under its hash; an identical block already cached wins."""
+    def cache(self, block: Block, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
+        """Publish a full block under its hash; an identical block already cached wins.
+        Whether `block` was published."""
         if block.block_hash is not None or block_hash in self._cached:
-            return
+            return False
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block.block_id
         if self._events is not None:
             self._record(block_hash, True)
+        return True
 
     def enable_events(self) -> None:
         """Start recording stored/evicted events (hashes cached before are not replayed)."""

@@ -195,6 +195,11 @@ class CacheConfig:
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
     cache_dtype: str = "auto"  # "auto": the model's dtype; "int8": quantized, per-token scales
+    # The tiers under the device pool (engine.kv_tiers): prefix blocks written through to host
+    # memory, and demoted from there to local disk, instead of lost on eviction. 0: no tier.
+    kv_host_bytes: int = 0
+    kv_disk_path: str | None = None  # a directory of its own; needs the host tier
+    kv_disk_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -205,6 +210,26 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES}, got {self.cache_dtype!r}")
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        for name in ("kv_host_bytes", "kv_disk_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a byte count >= 0, got {value!r}")
+        if (self.kv_disk_path is None) != (self.kv_disk_bytes == 0):
+            raise ValueError("kv_disk_path and kv_disk_bytes go together: a directory and how "
+                             f"much of it to use (got {self.kv_disk_path!r}, {self.kv_disk_bytes})")
+        if self.kv_disk_bytes and not self.kv_host_bytes:
+            raise ValueError("kv_disk_bytes: the disk tier takes blocks demoted from host "
+                             "memory; set kv_host_bytes too")
+        if self.kv_host_bytes and not self.enable_prefix_caching:
+            raise ValueError("kv_host_bytes: the KV tiers keep prefix-cache blocks; they need "
+                             "enable_prefix_caching")
+
+    @property
+    def tiered(self) -> bool:
+        return self.kv_host_bytes > 0
 
 
 def with_num_blocks(
@@ -344,6 +369,9 @@ class EngineConfig:
                 f"num_threads must be in [1, {os.cpu_count()}], got {self.num_threads}"
             )
         self._check_cuda_graphs()
+        if self.cache.tiered and self.speculative is not None and self.speculative.model:
+            raise ValueError("kv_host_bytes: the KV tiers keep the target model's KV only, "
+                             "not a draft model's; use speculative method ngram or no tiers")
 
     def _check_cuda_graphs(self) -> None:
         for name in ("enforce_eager", "emulate_cuda_graphs"):

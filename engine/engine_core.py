@@ -39,15 +39,19 @@ class EngineCore:
         self.tp = tp or TensorParallel()
         self.config = sized(config)
         cache = self.config.cache
+        self.runner = ModelRunner(self.config, self.tp, connector)
+        offload = self.runner.offload
         self.kv_cache = KVCacheManager(
-            cache.num_blocks, cache.block_size, cache.enable_prefix_caching
+            cache.num_blocks, cache.block_size, cache.enable_prefix_caching,
+            offload.num_host_slots if offload else 0, offload.num_disk_blocks if offload else 0,
         )
+        if offload is not None and offload.disk is not None:  # what an earlier run left there
+            self.kv_cache.tiers.adopt_disk(offload.disk.scan())
         self.connector = connector
         self.scheduler = Scheduler(
             self.config.scheduler, self.kv_cache, config.model.max_model_len, connector,
             config.lora.max_loras if config.lora is not None else None,
         )
-        self.runner = ModelRunner(self.config, self.tp, connector)
         self.speculator = make_speculator(self.config, self.kv_cache)
         self._tokenizer = tokenizer
         self._grammars: GrammarCompiler | None = None
@@ -92,7 +96,10 @@ class EngineCore:
         return self.scheduler.finish_request(request_id, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests in flight, or the KV tiers' copies (an abort between steps can leave
+        some): the owner's loop steps until both are done."""
+        tiers = self.kv_cache.tiers
+        return self.scheduler.has_unfinished_requests() or (tiers is not None and tiers.busy)
 
     def step(self) -> list[EngineCoreOutput]:
         plan = self.scheduler.schedule()
@@ -103,7 +110,16 @@ class EngineCore:
         outputs = self.scheduler.update(plan, result)
         if self.speculator is not None:
             self.speculator.after_step(plan, seconds, self.scheduler)
+        tiers = self.kv_cache.tiers
+        if tiers is not None and tiers.busy and not self.scheduler.has_unfinished_requests():
+            self._flush_tiers()
         return outputs
+
+    def _flush_tiers(self) -> None:
+        """Nothing left to overlap the tiers' copies with: finish them now, so an idle engine
+        holds no device block for a copy."""
+        plan = SchedulerOutput(requests=(), kv_tiers=self.kv_cache.take_tier_ops())
+        self.scheduler.update(plan, self._execute(plan))
 
     def abort_step(self, reason: str) -> list[EngineCoreOutput]:
         """After `step` raised: end the requests of the step that never completed."""
@@ -115,6 +131,8 @@ class EngineCore:
             publish(self.tp, "stop")
         if self.connector is not None:
             self.connector.close()
+        if self.runner.offload is not None:
+            self.runner.offload.close()
         if self._grammars is not None:
             self._grammars.close()
 

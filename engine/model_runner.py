@@ -28,6 +28,7 @@ from pdserve.engine.cuda_graphs import (
     step_graph_factory,
 )
 from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.kv_offload import KVOffload
 from pdserve.engine.loader import load_weights
 from pdserve.engine.logits_processors import LogitsRow, apply_logits_processors
 from pdserve.engine.lora_slots import LoRASlots
@@ -89,6 +90,7 @@ class ModelRunner:
         self.connector = connector
         if connector is not None:
             connector.register_kv_caches(self.kv_caches)
+        self.offload = self._make_offload()
         if graph_mode:
             self.graphs = self._capture_graphs(graph_mode, caches)
         logger.info(
@@ -96,6 +98,23 @@ class ModelRunner:
             cfg.architecture, cfg.dtype, cfg.quantization.method if cfg.quantization else None,
             self.weight_bytes / 1e6, self.device, self.ops.name, torch.get_num_threads(),
         )
+
+    def _make_offload(self) -> KVOffload | None:
+        """The KV tiers' copier (engine.kv_offload), when the cache has tiers."""
+        cache, model = self.config.cache, self.config.model
+        if not cache.tiered:
+            return None
+        if self.tp.size > 1:
+            raise ValueError("kv_host_bytes: the KV tiers serve single-rank engines for now; "
+                             "use tensor_parallel_size 1 or no tiers")
+        layout = {"model": str(model.path), "architecture": model.architecture,
+                  "dtype": model.dtype, "cache_dtype": cache.cache_dtype,
+                  "quantization": model.quantization.method if model.quantization else None,
+                  "block_size": self.block_size, "shapes": [
+                      [str(t.dtype), *t.shape[1:]] for t in self.kv_caches[0]],
+                  "num_layers": len(self.kv_caches), "tp": [self.tp.rank, self.tp.size]}
+        return KVOffload(self.kv_caches, cache.kv_host_bytes, cache.kv_disk_path,
+                         cache.kv_disk_bytes, layout)
 
     def _graph_mode(self) -> str | None:
         """The config's CUDA graph mode, but eager where a capture could not hold the TP
@@ -135,9 +154,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        """Run one step; with a connector, each layer is saved as soon as its K/V are stored."""
+        """Run one step; with a connector, each layer is saved as soon as its K/V are stored.
+        With KV tiers, the plan's loads land before the forward and its other copies run
+        beside it; the result reports the copies finished by then (all, if it computed
+        nothing)."""
         for request_id in plan.finished_request_ids:
             self._generators.pop(request_id, None)
+        if self.offload is None:
+            return self._execute(plan)
+        self.offload.start(plan.kv_tiers)
+        result = self._execute(plan)
+        return replace(result, kv_tiers=self.offload.results(wait=not plan.requests))
+
+    def _execute(self, plan: SchedulerOutput) -> RunnerOutput:
         if not plan.requests:
             return RunnerOutput({}, {})
         if self.connector is None:

@@ -16,6 +16,11 @@ With a KV connector (engine.kv_connector) a request's prompt KV may come from el
 `poll` at the top of `schedule` says it is ready (it then runs from its first token) or
 that its transfer failed (it ends with an error). Outputs made there leave with the step's.
 
+With KV tiers (engine.kv_tiers) a waiting request's prefix continues below the device: blocks
+in host memory are loaded into its fresh blocks before its first step; a request whose prefix
+is being read back from disk keeps its place in the queue until it has landed. The plan
+carries the tiers' copies to the runner, and its result says which landed.
+
 `Scheduler.stats` (`SchedulerStats`): what the scheduler has done, as cumulative counters.
 """
 
@@ -49,6 +54,10 @@ logger = logging.getLogger(__name__)
 class SchedulerStats:
     num_computed_tokens: int = 0  # tokens run through the model, all steps
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # Of those, tokens copied back from the KV tiers (engine.kv_tiers), and the prefill time
+    # they would have cost at the step-time model's marginal rate when they were loaded.
+    num_tier_tokens: int = 0
+    tier_saved_s: float = 0.0
     num_preemptions: int = 0
     num_steps: int = 0
     # Speculative decoding: one verification = one sequence's drafts checked in one step.
@@ -116,8 +125,9 @@ class Scheduler:
 
         Admission is memory reservation: None (nothing held) when the pool or
         `max_num_seqs` cannot take the request now. Leading prompt blocks already in the
-        prefix cache are shared, not reserved anew: `num_cached_tokens` tells the connector
-        they need no KV from elsewhere.
+        prefix cache are shared, not reserved anew, and those in the host tier are loaded
+        (before any step could run the request): `num_cached_tokens` tells the connector they
+        need no KV from elsewhere. A prefix on disk is not waited for (nor read) here.
         """
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
@@ -126,8 +136,10 @@ class Scheduler:
         if len(self.running) + self.num_remote >= self.config.max_num_seqs:
             return None
         hits = self.kv_cache.find_cached_prefix(request, request.num_prompt_tokens)
-        num_hit = len(hits) * self.kv_cache.block_size
-        if not self.kv_cache.allocate(request, request.num_prompt_tokens - num_hit, hits):
+        below = self.kv_cache.find_tier_hit(request, hits, request.num_prompt_tokens, wait=False)
+        num_hit = (len(hits) + len(below.host_slots)) * self.kv_cache.block_size
+        if not self.kv_cache.allocate(request, request.num_prompt_tokens - num_hit, hits,
+                                      below.host_slots):
             return None
         request.num_cached_tokens = num_hit
         block_ids = self.kv_cache.block_ids(request.request_id)
@@ -233,14 +245,22 @@ class Scheduler:
                                                request.grammar.error))
                 continue
             hits = self.kv_cache.find_cached_prefix(request)
-            num_hit = len(hits) * self.kv_cache.block_size
+            below = self.kv_cache.find_tier_hit(request, hits)
+            if below.promoting:  # its prefix is on its way up from disk
+                held.append(self.waiting.popleft())
+                continue
+            num_hit = (len(hits) + len(below.host_slots)) * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_hit, budget)
-            if not self.kv_cache.allocate(request, num_new, hits):
+            if not self.kv_cache.allocate(request, num_new, hits, below.host_slots):
                 break
             self.waiting.popleft()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
                 self.stats.num_cached_tokens += num_hit
+            if below.host_slots:
+                num_loaded = len(below.host_slots) * self.kv_cache.block_size
+                self.stats.num_tier_tokens += num_loaded
+                self.stats.tier_saved_s += num_loaded / tokens_per_s(self.step_time.fit())
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -260,6 +280,8 @@ class Scheduler:
     def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
         """Advance every scheduled request by what ran; append sampled tokens; finish."""
         self._inflight = None
+        if self.kv_cache.tiers is not None:
+            self.kv_cache.tiers.apply(result.kv_tiers)
         outputs, self._outputs = self._outputs, []
         self.stats.num_steps += bool(plan.requests)
         for entry in plan.requests:
@@ -373,7 +395,8 @@ class Scheduler:
         # kernel reads each adapter's weights once), order otherwise kept
         entries.sort(key=lambda e: (e.num_tokens != 1, e.lora.lora_int_id if e.lora else 0))
         finished, self._finished_ids = tuple(self._finished_ids), []
-        return SchedulerOutput(requests=tuple(entries), finished_request_ids=finished)
+        return SchedulerOutput(requests=tuple(entries), finished_request_ids=finished,
+                               kv_tiers=self.kv_cache.take_tier_ops())
 
     def _preempt(self, request: Request) -> None:
         logger.debug("preempting %s at %d tokens", request.request_id, request.num_tokens)

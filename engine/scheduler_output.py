@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pdserve.engine.kv_tiers import TierOps, TierResults
 from pdserve.engine.lora_request import LoRARequest
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -69,6 +70,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     requests: tuple[ScheduledRequest, ...]  # single-token (decode-shaped) requests first
     finished_request_ids: tuple[str, ...] = ()  # the runner drops their per-request state
+    kv_tiers: TierOps = TierOps()  # copies to and from the tiers under the device pool
 
     @property
     def num_decodes(self) -> int:  # one token each, so no drafts
@@ -107,6 +109,7 @@ class RunnerOutput:
     kv_saves: dict[str, KVSaveResult] = field(default_factory=dict)  # by the KV connector
     # Per request with a PromptLogprobsTask: one per position of the task, in order.
     prompt_logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
+    kv_tiers: TierResults = TierResults()  # the tiers' copies that finished since last step
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ One message for both roles: a prefill worker reserves nothing (nor speculates) a
 worker's `num_computed_tokens` counts its local prefills. The speculative decoding counts are
 cumulative since the worker started (acceptance rate = accepted / draft tokens; mean accepted
 length = (accepted + verifications) / verifications, the tokens one verification emits).
-Read on the engine's loop thread, or as a racy-but-harmless snapshot from another one.
+With KV tiers under the device pool (engine/kv_tiers.py), it also reports the blocks each tier
+holds now and the tiers' cumulative counts in blocks (engine.kv_tiers.TierStats); all 0 without
+tiers. Read on the engine's loop thread, or as a racy-but-harmless snapshot from another one.
 """
 
 from __future__ import annotations
@@ -15,6 +17,14 @@ from dataclasses import dataclass
 from pdserve.engine.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
+
+# WorkerStats' KV tier fields, named as WorkerLoad's (proto/worker.proto)
+KV_TIER_FIELDS: tuple[str, ...] = (
+    "kv_block_bytes", "num_kv_host_blocks", "num_kv_disk_blocks", "num_kv_host_hits",
+    "num_kv_disk_hits", "num_kv_stores", "num_kv_demotions", "num_kv_promotions",
+    "num_kv_failed_promotions", "num_kv_tier_evictions", "kv_tier_saved_s",
+    "kv_host_load_s", "kv_disk_load_s", "prefill_s_per_token",
+)
 
 
 @dataclass(frozen=True)
@@ -36,10 +46,32 @@ class WorkerStats:
     weight_bytes: int = 0  # this rank's weights as held
     lora_adapters: tuple[str, ...] = ()  # the LoRA adapters it holds
     step_token_budget: int = 0  # what its next step may compute (Scheduler.step_token_budget)
+    # KV tiers (engine.kv_tiers), 0 without them: one block's bytes, blocks held now, then
+    # cumulative counts in blocks (TierStats)
+    kv_block_bytes: int = 0
+    num_kv_host_blocks: int = 0
+    num_kv_disk_blocks: int = 0
+    num_kv_host_hits: int = 0  # loaded from host instead of recomputed
+    num_kv_disk_hits: int = 0  # promoted from disk, then loaded
+    num_kv_stores: int = 0  # written through to host
+    num_kv_demotions: int = 0  # host -> disk
+    num_kv_promotions: int = 0  # disk -> host
+    num_kv_failed_promotions: int = 0  # a missing, torn, corrupt or foreign disk file
+    num_kv_tier_evictions: int = 0  # left the last tier
+    kv_tier_saved_s: float = 0.0  # prefill time the host hits saved (SchedulerStats)
+    # What a tier hit costs here, as measured (0: not yet): seconds to load one block from
+    # host, to read one back from disk, and to prefill one token (the step-time model's slope)
+    kv_host_load_s: float = 0.0
+    kv_disk_load_s: float = 0.0
+    prefill_s_per_token: float = 0.0
 
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
+
+    def kv_tier_counts(self) -> dict[str, float]:
+        """The KV tier fields by name, as WorkerLoad takes them."""
+        return {name: getattr(self, name) for name in KV_TIER_FIELDS}
 
     @classmethod
     def from_core(cls, core: EngineCore, num_reserved: int = 0) -> WorkerStats:
@@ -62,4 +94,30 @@ class WorkerStats:
             weight_bytes=core.runner.weight_bytes,
             lora_adapters=core.runner.loras.loaded if core.runner.loras is not None else (),
             step_token_budget=scheduler.step_token_budget(),
+            **_tier_counts(core),
         )
+
+
+def _tier_counts(core: EngineCore) -> dict[str, float]:
+    """WorkerStats' KV tier fields; none (their defaults, 0) without tiers."""
+    tiers = core.kv_cache.tiers
+    if tiers is None:
+        return {}
+    s = tiers.stats
+    return {
+        "kv_block_bytes": core.runner.offload.block_nbytes,
+        "num_kv_host_blocks": tiers.num_host_blocks,
+        "num_kv_disk_blocks": tiers.num_disk_blocks_held,
+        "num_kv_host_hits": s.host_hits,
+        "num_kv_disk_hits": s.disk_hits,
+        "num_kv_stores": s.stores,
+        "num_kv_demotions": s.demotions,
+        "num_kv_promotions": s.promotions,
+        "num_kv_failed_promotions": s.failed_promotions,
+        "num_kv_tier_evictions": s.evictions,
+        "kv_tier_saved_s": core.scheduler.stats.tier_saved_s,
+        "kv_host_load_s": core.runner.offload.host_load_s or 0.0,
+        "kv_disk_load_s": core.runner.offload.disk_load_s or 0.0,
+        "prefill_s_per_token": fit.per_token_s if (fit := core.scheduler.step_time.fit())
+        else 0.0,
+    }

@@ -45,6 +45,9 @@ class LLM:
     On CUDA, decode steps replay CUDA graphs captured at start-up for the batch sizes
     `cuda_graph_sizes` (default: 1, 2, 4, 8, 16, ... up to max_num_seqs), each step padded to
     the next; `enforce_eager=True` captures none, as vLLM's (engine/cuda_graphs.py).
+    `kv_host_bytes` keeps prefix-cache blocks in host memory once the device pool evicts them,
+    and `kv_disk_path` / `kv_disk_bytes` on local disk below that (engine/kv_tiers.py): a
+    prefix found there is copied back, not recomputed.
     """
 
     def __init__(
@@ -74,6 +77,9 @@ class LLM:
         max_cpu_loras: int | None = None,
         enforce_eager: bool = False,
         cuda_graph_sizes: Sequence[int] | None = None,
+        kv_host_bytes: int = 0,
+        kv_disk_path: str | None = None,
+        kv_disk_bytes: int = 0,
     ) -> None:
         speculative = parse_speculative_config(speculative_config)  # refused before any load
         path = resolve_model(model)
@@ -86,6 +92,9 @@ class LLM:
                 num_blocks=num_kv_blocks,
                 enable_prefix_caching=enable_prefix_caching,
                 cache_dtype=kv_cache_dtype,
+                kv_host_bytes=kv_host_bytes,
+                kv_disk_path=kv_disk_path,
+                kv_disk_bytes=kv_disk_bytes,
             ),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             device=device,

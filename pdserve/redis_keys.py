@@ -12,6 +12,8 @@ Every key lives under one namespace, so several deployments can share a Redis:
   the per-worker sets are the cluster's block-hash -> workers index: a block is held by the
   workers whose set contains it. Each prefill worker keeps its own set current
   (`prefill_worker.prefix_events.PrefixIndexPublisher`); the router only reads.
+- `{ns}:prefix:{worker_id}:host`, `...:disk`: the same, for the blocks it holds in its KV tiers
+  below the device pool (engine.kv_tiers), which the router prices by tier.
 """
 
 from __future__ import annotations
@@ -41,8 +43,15 @@ def sessions_index_key(namespace: str, tenant: str) -> str:
     return f"{namespace}:sessions:{tenant}"
 
 
-def prefix_key(namespace: str, worker_id: str) -> str:
-    return f"{namespace}:prefix:{worker_id}"
+PREFIX_TIERS = ("device", "host", "disk")  # where a worker holds a prefix block
+
+
+def prefix_key(namespace: str, worker_id: str, tier: str = "device") -> str:
+    """The set of block hashes a worker holds in one tier: its device pool, or below it, in
+    host memory or on disk (engine.kv_tiers)."""
+    if tier not in PREFIX_TIERS:
+        raise ValueError(f"tier must be one of {PREFIX_TIERS}, got {tier!r}")
+    return f"{namespace}:prefix:{worker_id}" + ("" if tier == "device" else f":{tier}")
 
 
 def lora_adapters_key(namespace: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pdserve.engine.config import (
@@ -38,6 +39,11 @@ class WorkerSpec:
     quantization: str | None = None  # engine/quantization.py
     quantization_group_size: int = 0
     enable_prefix_caching: bool = True
+    # KV tiers under the device pool (engine.kv_tiers), each worker its own: host memory and
+    # local disk bytes; the disk tier lives in `<kv_disk_path>/<worker_id>` (engine_config)
+    kv_host_bytes: int = 0
+    kv_disk_path: str | None = None
+    kv_disk_bytes: int = 0
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     # a step sized to last about this long (prefill workers); None: the token budget alone
@@ -82,6 +88,10 @@ class WorkerSpec:
         check_worker_tls(self._tls_paths())
         parse_speculative_config(self.speculative_config)  # a bad field fails here, named
         self._lora()
+        if self.kv_disk_path is not None and (Path(self.worker_id).name != self.worker_id
+                                              or self.worker_id in ("", "..")):
+            raise ValueError(f"worker_id {self.worker_id!r} names the worker's directory under "
+                             "kv_disk_path: it must be a plain file name")
         for name in ("max_reservation_s", "stall_timeout_s", "tp_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
@@ -115,6 +125,9 @@ class WorkerSpec:
                 num_blocks=self.num_kv_blocks,
                 enable_prefix_caching=self.enable_prefix_caching,
                 cache_dtype=self.kv_cache_dtype,
+                kv_host_bytes=self.kv_host_bytes,
+                kv_disk_path=self.disk_dir(),
+                kv_disk_bytes=self.kv_disk_bytes,
             ),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,
                                       step_target_s=self.step_target_s,
@@ -128,6 +141,15 @@ class WorkerSpec:
             speculative=parse_speculative_config(self.speculative_config),
             lora=self._lora(),
         )
+
+    def disk_dir(self) -> str | None:
+        """This worker's disk tier directory, its own under kv_disk_path: a disk tier takes
+        every block file in its directory for its own at start-up (and deletes the temp files
+        of writes in flight there), so two workers sharing one would evict and delete each
+        other's blocks. A restarted worker finds its own again. None: no disk tier."""
+        if self.kv_disk_path is None:
+            return None
+        return str(Path(self.kv_disk_path) / self.worker_id)
 
     def _lora(self) -> LoRAConfig | None:
         return None if self.lora_config is None else LoRAConfig(**self.lora_config)

@@ -1,24 +1,29 @@
 """PrefixIndexPublisher: keeps this worker's set in the Redis prefix index equal to its cache.
 
-The index is one SET per worker, `{namespace}:prefix:{worker_id}`, of raw block hashes (the key
-schema: `pdserve.redis_keys`). A daemon thread owns a synchronous Redis client and applies,
-in order, what the worker's loop thread hands it; the loop thread never waits on Redis.
+The index is one SET per worker and tier of raw block hashes (the key schema:
+`pdserve.redis_keys`): `{namespace}:prefix:{worker_id}` for its device pool, and with KV tiers
+(engine.kv_tiers) `...:host` and `...:disk` for what it holds below it. A daemon thread owns
+a synchronous Redis client and applies, in order, what the worker's loop thread hands it; the
+loop thread never waits on Redis.
 
 Protocol (everything below runs on the thread that owns the BlockPool, so the event stream
 and the snapshots are cut from one consistent sequence):
 
-    pool.enable_events()
+    pool.enable_events(); tiers.enable_events()     # tiers: the KV tiers, if any
     publisher = PrefixIndexPublisher(url, password, namespace, worker_id)
     ...  # every loop iteration, idle ones included:
     publisher.publish(*pool.drain_events())        # (stored, evicted), net since last drain
-    if publisher.needs_snapshot:
-        publisher.snapshot(pool.cached_hashes())   # everything the pool holds right now
+    for tier, (stored, evicted) in tiers.drain_events().items():
+        publisher.publish(stored, evicted, tier)   # the same, for a tier under the pool
+    if publisher.needs_snapshot:                   # everything held right now, every tier
+        publisher.snapshot(pool.cached_hashes(), tiers.hashes())
 
 - `publish` and `snapshot` only enqueue (copies); they never block and never raise.
-- The thread applies a snapshot as DEL + SADD in one MULTI: the set becomes exactly the
-  snapshot. It applies an event batch as SREM evicted, then SADD stored, but only while the
-  set is in sync, i.e. a snapshot (and every batch since) was applied. Batches queued out of
-  sync are dropped: the next snapshot supersedes them.
+- The thread applies a snapshot as DEL + SADD in one MULTI, every tier's set at once (a tier the
+  snapshot does not name is emptied): the sets become exactly the snapshot. It applies an
+  event batch as SREM evicted, then SADD stored, but only while the sets are in sync, i.e. a
+  snapshot (and every batch since) was applied. Batches queued out of sync are dropped: the
+  next snapshot supersedes them.
 - The publisher raises `needs_snapshot` when it starts, once Redis answers again after any
   failure (it retries with backoff, 0.2 s doubling to 2 s, dropping what is queued meanwhile),
   and when the server restarted behind its back (its `run_id` changed; checked every
@@ -43,7 +48,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from pdserve.redis_keys import prefix_key
+from pdserve.redis_keys import PREFIX_TIERS, prefix_key
 
 logger = logging.getLogger(__name__)
 
@@ -55,13 +60,14 @@ _SADD_CHUNK = 10_000
 
 @dataclass(frozen=True)
 class _Events:
+    key: str
     stored: list[bytes]
     evicted: list[bytes]
 
 
 @dataclass(frozen=True)
 class _Snapshot:
-    hashes: list[bytes]
+    hashes: dict[str, list[bytes]]  # key -> every hash of that set
 
 
 _CLOSE = object()
@@ -85,7 +91,8 @@ class PrefixIndexPublisher:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if check_interval_s <= 0:
             raise ValueError(f"check_interval_s must be > 0, got {check_interval_s}")
-        self.key = prefix_key(namespace, worker_id)
+        self.keys = {tier: prefix_key(namespace, worker_id, tier) for tier in PREFIX_TIERS}
+        self.key = self.keys["device"]
         self.timeout_s = timeout_s
         self.check_interval_s = check_interval_s
         pool = redis.ConnectionPool.from_url(
@@ -124,17 +131,23 @@ class PrefixIndexPublisher:
         """The set mirrors the owner's cache as of the last update applied."""
         return self._synced
 
-    def publish(self, stored: Sequence[bytes], evicted: Sequence[bytes]) -> None:
-        """Enqueue one drain's net events (applied as SREM evicted, then SADD stored)."""
+    def publish(self, stored: Sequence[bytes], evicted: Sequence[bytes],
+                tier: str = "device") -> None:
+        """Enqueue one drain's net events of one tier (applied as SREM evicted, then SADD
+        stored)."""
         if (stored or evicted) and not self._closed:
-            self._queue.put(_Events(list(stored), list(evicted)))
+            self._queue.put(_Events(self.keys[tier], list(stored), list(evicted)))
 
-    def snapshot(self, hashes: Sequence[bytes]) -> None:
-        """Enqueue the full set of hashes the owner holds now; clears `needs_snapshot`."""
+    def snapshot(self, hashes: Sequence[bytes],
+                 tiers: dict[str, Sequence[bytes]] | None = None) -> None:
+        """Enqueue the full set of hashes the owner holds now: `hashes` in its device pool,
+        `tiers` below it (by tier; a tier not named holds none). Clears `needs_snapshot`."""
         if self._closed:
             return
         self._needs_snapshot = False  # before the put: a request raised after it is kept
-        self._queue.put(_Snapshot(list(hashes)))
+        held = {"device": hashes, **(tiers or {})}
+        self._queue.put(_Snapshot({key: list(held.get(tier, ())) for tier, key
+                                   in self.keys.items()}))
 
     def close(self) -> None:
         if self._closed:
@@ -188,15 +201,16 @@ class PrefixIndexPublisher:
         with self._client.pipeline(transaction=True) as pipe:
             for item in items:
                 if isinstance(item, _Snapshot):
-                    pipe.delete(self.key)
-                    for start in range(0, len(item.hashes), _SADD_CHUNK):
-                        pipe.sadd(self.key, *item.hashes[start : start + _SADD_CHUNK])
+                    for key, hashes in item.hashes.items():
+                        pipe.delete(key)
+                        for start in range(0, len(hashes), _SADD_CHUNK):
+                            pipe.sadd(key, *hashes[start : start + _SADD_CHUNK])
                     synced, num_snapshots = True, num_snapshots + 1
                 elif isinstance(item, _Events) and synced:
                     if item.evicted:
-                        pipe.srem(self.key, *item.evicted)
+                        pipe.srem(item.key, *item.evicted)
                     if item.stored:
-                        pipe.sadd(self.key, *item.stored)
+                        pipe.sadd(item.key, *item.stored)
             if num_snapshots:
                 # read before writing: a restart in between shows as a changed id, never hides
                 self._run_id = self._server_run_id()

@@ -106,6 +106,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             block_size=s.block_size, tp_size=s.tp_size, quantization=s.quantization,
             weight_bytes=s.weight_bytes, lora_adapters=s.lora_adapters,
             step_token_budget=s.step_token_budget,
+            num_computed_tokens=s.num_computed_tokens, **s.kv_tier_counts(),
         )
 
 

@@ -88,6 +88,8 @@ class PrefillWorker:
         self.publisher = publisher
         if publisher is not None:
             self.core.kv_cache.pool.enable_events()
+            if self.core.kv_cache.tiers is not None:
+                self.core.kv_cache.tiers.enable_events()
         self._loop = EngineLoop("prefill-loop", self._step, self._fail_all)
 
     def prefill(
@@ -199,12 +201,14 @@ class PrefillWorker:
     def _publish_cache_events(self) -> None:
         if self.publisher is None:
             return
-        pool = self.core.kv_cache.pool
+        pool, tiers = self.core.kv_cache.pool, self.core.kv_cache.tiers
         stored, evicted = pool.drain_events()
         if stored or evicted:
             self.publisher.publish(stored, evicted)
+        for tier, (stored, evicted) in (tiers.drain_events() if tiers else {}).items():
+            self.publisher.publish(stored, evicted, tier)
         if self.publisher.needs_snapshot:
-            self.publisher.snapshot(pool.cached_hashes())
+            self.publisher.snapshot(pool.cached_hashes(), tiers.hashes() if tiers else None)
 
     def _fail_all(self, exc: BaseException) -> None:
         """The loop died: fail every waiting caller rather than leave it hanging."""

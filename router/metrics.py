@@ -17,6 +17,7 @@ from prometheus_client.exposition import start_http_server
 
 from pdserve import defaults
 from pdserve.router.histogram import CountingHistogram
+from pdserve.router.metrics_kv_tiers import KVTierMetrics
 from pdserve.router.metrics_merge import merge_families, parse
 from pdserve.router.metrics_speculation import SpeculationCounters
 
@@ -141,6 +142,9 @@ class RouterMetrics:
         # decode workers' speculative decoding counts (`set` from their load reports)
         self.speculation = SpeculationCounters()
         reg.register(self.speculation)
+        # every worker's computed tokens and KV tier counts (`set` from its load reports)
+        self.kv_tiers = KVTierMetrics()
+        reg.register(self.kv_tiers)
 
     def _build_gauges(self) -> None:
         reg = self.registry
@@ -249,6 +253,7 @@ class RouterMetrics:
                       self.step_token_budget):
             gauge.remove(worker_id)
         self.speculation.remove(worker_id)
+        self.kv_tiers.remove(worker_id)
 
     def set_redis_up(self, up: bool) -> None:
         self.redis_up.set(1 if up else 0)

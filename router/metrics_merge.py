@@ -5,9 +5,9 @@ its /metrics. The rule, per family: counters, histograms and summaries are summe
 sample (same name, same labels), as are the gauges of work held by a router
 (`SUMMED_GAUGES`: its queue and in-flight requests); every other gauge (a worker's health and
 KV blocks, Redis health, the planner's wish, `_created` timestamps) and the counters workers
-report (`WORKER_COUNTERS`: speculative decoding) are the service process's own, because every
-router sees the same workers. A summed sample that only another process
-has (a label set the first never used) is added as it is.
+report (`WORKER_COUNTERS`: speculative decoding, KV tiers, computed tokens) are the service
+process's own, because every router sees the same workers. A summed sample that only another
+process has (a label set the first never used) is added as it is.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from pdserve.router.metrics_kv_tiers import WORKER_COUNTER_NAMES
 from pdserve.router.metrics_speculation import SPEC_COUNTERS
 
 logger = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 # gauges that count what one router holds: the service's value is the sum over routers
 SUMMED_GAUGES: frozenset[str] = frozenset({"pdserve_queue_depth", "pdserve_requests_inflight"})
 # counters a worker keeps and every router copies from its load reports: never summed
-WORKER_COUNTERS: frozenset[str] = frozenset(SPEC_COUNTERS)
+WORKER_COUNTERS: frozenset[str] = frozenset(SPEC_COUNTERS) | WORKER_COUNTER_NAMES
 _SUMMED_TYPES = frozenset({"counter", "histogram", "summary", "gaugehistogram"})
 
 

@@ -31,9 +31,11 @@ from pdserve.router.policy import (
     DecodeLoad,
     PrefillLoad,
     RoutingInfo,
+    TierCosts,
     choose_decode,
     choose_prefill,
     prefill_locally,
+    priced_hit_tokens,
     shared_prefix_len,
 )
 from pdserve.router.store import RedisStore, Session
@@ -266,7 +268,9 @@ class Placer:
         if self.store is not None and len(up) > 1:
             hashes = hash_blocks(prompt, self.config.block_size, root=chain_root(lora))
             blocks = await self.store.prefix_hits(hashes, [c.worker_id for c in up])
-            hits = {w: n * self.config.block_size for w, n in blocks.items()}
+            hits = {w: priced_hit_tokens(held, _tier_costs(self.prefill[w].load),
+                                         self.config.block_size)
+                    for w, held in blocks.items()}
         loads = [PrefillLoad(c.worker_id, c.num_inflight, c.num_inflight_tokens,
                              _adapters(c)) for c in up]
         info = RoutingInfo(len(prompt), 0, prefix_hits=hits,
@@ -296,6 +300,14 @@ def _decode_load(c: DecodeClient) -> DecodeLoad:
     return DecodeLoad(c.worker_id, c.load.num_blocks, c.load.num_free_blocks - c.num_pending[0],
                       c.load.num_running + c.load.num_waiting + c.num_pending[1],
                       c.load.max_num_seqs, _adapters(c))
+
+
+def _tier_costs(load: worker_pb2.WorkerLoad | None) -> TierCosts:
+    """What a prefix hit in each of a worker's KV tiers costs it, as it last measured."""
+    if load is None:
+        return TierCosts()
+    return TierCosts(load.prefill_s_per_token or None, load.kv_host_load_s or None,
+                     load.kv_disk_load_s or None)
 
 
 def _adapters(c: WorkerClient) -> frozenset[str]:

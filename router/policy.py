@@ -47,7 +47,8 @@ class RoutingInfo:
     num_prompt_tokens: int
     num_blocks_needed: int  # blocks the prompt + first tokens need on decode
     session_decode_worker: str | None = None
-    # prefill worker id -> prompt tokens already cached there (from the Redis prefix index)
+    # prefill worker id -> prompt tokens already cached there (from the Redis prefix index; a
+    # hit in a KV tier below the device priced by what loading it costs: priced_hit_tokens)
     prefix_hits: Mapping[str, int] = field(default_factory=dict, hash=False)
     lora_name: str | None = None  # the LoRA adapter it runs with
 
@@ -80,6 +81,62 @@ def choose_decode(
     best = min(fitting, key=lambda w: (req.lacks_adapter(w.lora_adapters), -w.num_free_blocks,
                                        w.num_running, w.worker_id))
     return best.worker_id
+
+
+@dataclass(frozen=True)
+class TierHits:
+    """A prompt's leading blocks one worker holds, each counted in the fastest tier holding
+    it: its device pool, or its KV tiers below it (engine.kv_tiers)."""
+
+    device: int = 0
+    host: int = 0
+    disk: int = 0
+
+
+TIER_ORDER = ("device", "host", "disk")  # fastest first
+
+
+def leading_tier_hits(held: Mapping[str, Sequence[bool]]) -> TierHits:
+    """`held[tier][i]`: whether block i is in that tier's set (a tier missing: none). The run
+    of leading blocks held in any tier (a block held nowhere ends it)."""
+    columns = [held.get(tier, ()) for tier in TIER_ORDER]
+    counts = dict.fromkeys(TIER_ORDER, 0)
+    for i in range(max(map(len, columns))):
+        tier = next((t for t, col in zip(TIER_ORDER, columns) if i < len(col) and col[i]), None)
+        if tier is None:
+            break
+        counts[tier] += 1
+    return TierHits(**counts)
+
+
+@dataclass(frozen=True)
+class TierCosts:
+    """One worker's measured costs (None: not measured yet)."""
+
+    prefill_s_per_token: float | None = None
+    host_load_s: float | None = None  # one block, host memory -> device
+    disk_load_s: float | None = None  # one block, disk -> host memory (then loaded as above)
+
+
+UNMEASURED_HIT_SHARE = 0.5  # what a tier hit is worth before its cost was ever measured
+
+
+def priced_hit_tokens(hits: TierHits, costs: TierCosts, block_size: int) -> int:
+    """The prompt tokens a worker's prefix hits save it, tier by tier: a device hit its whole
+    prefill, a host hit its prefill less the load, a disk hit its prefill less the read and
+    the load (never below nothing), at the worker's measured costs; a tier not measured yet
+    (or a worker whose prefill rate is not) counts `UNMEASURED_HIT_SHARE` of a hit."""
+    recompute_s = (costs.prefill_s_per_token or 0.0) * block_size
+
+    def share(load_s: float | None) -> float:
+        if load_s is None or recompute_s <= 0:
+            return UNMEASURED_HIT_SHARE
+        return max(0.0, 1.0 - load_s / recompute_s)
+
+    from_disk = (None if costs.disk_load_s is None or costs.host_load_s is None
+                 else costs.disk_load_s + costs.host_load_s)
+    blocks = hits.device + hits.host * share(costs.host_load_s) + hits.disk * share(from_disk)
+    return round(blocks * block_size)
 
 
 def prefill_work(worker: PrefillLoad, req: RoutingInfo) -> int:

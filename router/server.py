@@ -278,6 +278,8 @@ class RouterServer:
             metrics.set_worker(c.worker_id, c.role, c.up, load.num_blocks if load else 0,
                                load.num_free_blocks if load else 0,
                                load.step_token_budget if load else 0)
+            if load is not None:
+                metrics.kv_tiers.set(c.worker_id, load)
             if c.role == "decode" and load is not None:  # prefill workers never speculate
                 metrics.speculation.set(c.worker_id, load.num_spec_verifications,
                                         load.num_draft_tokens, load.num_accepted_tokens)

@@ -37,6 +37,7 @@ from redis.backoff import NoBackoff
 
 from pdserve import redis_keys
 from pdserve.engine.lora_request import LoRARequest
+from pdserve.router.policy import TierHits, leading_tier_hits
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +117,8 @@ class RedisStore:
     def session_key(self, session_id: str) -> str:
         return redis_keys.session_key(self.namespace, session_id)
 
-    def prefix_key(self, worker_id: str) -> str:
-        return redis_keys.prefix_key(self.namespace, worker_id)
+    def prefix_key(self, worker_id: str, tier: str = "device") -> str:
+        return redis_keys.prefix_key(self.namespace, worker_id, tier)
 
     async def check(self) -> bool:
         """PING; the router calls this every second or so, so health recovers without traffic."""
@@ -154,27 +155,32 @@ class RedisStore:
 
     async def prefix_hits(
         self, block_hashes: Sequence[bytes], worker_ids: Sequence[str]
-    ) -> dict[str, int]:
-        """Per worker, how many LEADING `block_hashes` it holds (a hole stops the count).
+    ) -> dict[str, TierHits]:
+        """Per worker, how many LEADING `block_hashes` it holds (a hole stops the count), by
+        the fastest tier holding each (device, or its KV tiers: host, disk).
 
         {} when either input is empty (Redis untouched) or Redis is unavailable; otherwise
-        every worker id is a key, 0 included.
+        every worker id is a key, no hits included.
         """
         if not block_hashes or not worker_ids:
             return {}
         members = list(block_hashes)
         workers = list(dict.fromkeys(worker_ids))
+        tiers = redis_keys.PREFIX_TIERS
 
         async def query() -> list[list[int]]:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for worker_id in workers:
-                    pipe.smismember(self.prefix_key(worker_id), members)
+                    for tier in tiers:
+                        pipe.smismember(self.prefix_key(worker_id, tier), members)
                 return await pipe.execute()
 
         replies = await self._call("prefix_hits", query, None)
         if replies is None:
             return {}
-        return {w: _leading_true(flags) for w, flags in zip(workers, replies)}
+        n = len(tiers)
+        return {w: leading_tier_hits(dict(zip(tiers, replies[i * n:(i + 1) * n])))
+                for i, w in enumerate(workers)}
 
     async def lora_adapters(self) -> dict[str, LoRARequest] | None:
         """The LoRA adapters the deployment serves (router.lora_adapters); None when Redis does
@@ -233,11 +239,3 @@ class RedisStore:
         self._healthy = True
         return result
 
-
-def _leading_true(flags: Sequence[int]) -> int:
-    count = 0
-    for flag in flags:
-        if not flag:
-            break
-        count += 1
-    return count

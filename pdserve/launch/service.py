@@ -192,6 +192,10 @@ class Service:
         tls = {} if self.worker_tls is None else {
             f"tls_{name}": os.path.abspath(getattr(self.worker_tls, name))
             for name in ("cert", "key", "ca")}
+        # each worker's KV tiers; the disk path absolute, as the mTLS paths
+        tiers = s.kv_tiers()
+        if tiers["kv_disk_path"] is not None:
+            tiers["kv_disk_path"] = os.path.abspath(tiers["kv_disk_path"])
         # only the workers that decode speculate (colocated ones are decode workers too)
         parsed = parse_speculative_config(s.speculative_config)
         speculative = None if parsed is None else parsed.to_dict()
@@ -214,7 +218,7 @@ class Service:
                 redis_namespace=s.redis_namespace, max_reservation_s=reservation_s,
                 tp_timeout_s=reservation_s + 30.0,
                 enable_expert_parallel=s.enable_expert_parallel and role == "decode",
-                lora_config=s.lora_config(), **tls,
+                lora_config=s.lora_config(), **tiers, **tls,
             )
 
         self._spec = spec  # the planner builds the workers it adds the same way

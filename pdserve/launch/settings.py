@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import defaults
-from pdserve.engine.config import LoRAConfig, check_cuda_graph_sizes
+from pdserve.engine.config import CacheConfig, LoRAConfig, check_cuda_graph_sizes
 from pdserve.engine.spec.config import parse_speculative_config
 from pdserve.redis_keys import DEFAULT_NAMESPACE
 from pdserve.router.lora_adapters import parse_lora_modules
@@ -52,6 +52,15 @@ class ServeSettings:
     quantization_group_size: int = _opt(0, "input columns per scale for int4/int8 (0: int4 "
                                         "32, int8 one per output channel)")
     enable_prefix_caching: bool = _opt(True, "reuse KV of shared prompt prefixes")
+    kv_host_bytes: int = _opt(
+        0, "KV tier in host memory per worker, bytes: prefix-cache blocks the device pool "
+        "evicts stay there and load back instead of being recomputed (0: off; needs "
+        "enable_prefix_caching and decode_tp 1)")
+    kv_disk_path: str | None = _opt(
+        None, "KV tier on local disk below the host tier: a directory on each worker's node, "
+        "each worker using its own subdirectory <path>/<worker id> (with kv_disk_bytes and "
+        "kv_host_bytes)")
+    kv_disk_bytes: int = _opt(0, "disk KV tier per worker, bytes (with kv_disk_path)")
     max_num_seqs: int = _opt(64, "sequences per engine step")
     max_num_batched_tokens: int = _opt(2048, "tokens per engine step (chunked prefill)")
     prefill_step_ms: float = _opt(
@@ -203,6 +212,7 @@ class ServeSettings:
         parse_speculative_config(self.speculative_config)  # ValueError naming the bad field
         self.graph_sizes()
         self.lora_config()
+        self.kv_tiers()
         parse_lora_modules(self.lora_modules)
         if self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got "
@@ -232,6 +242,17 @@ class ServeSettings:
                   "max_cpu_loras": self.max_cpu_loras}
         LoRAConfig(**config)
         return config
+
+    def kv_tiers(self) -> dict[str, Any]:
+        """The workers' KV tier fields of CacheConfig (checked; ValueError naming the setting).
+        Each worker's disk tier is its own subdirectory of kv_disk_path (WorkerSpec)."""
+        tiers = {"kv_host_bytes": self.kv_host_bytes, "kv_disk_path": self.kv_disk_path,
+                 "kv_disk_bytes": self.kv_disk_bytes}
+        CacheConfig(enable_prefix_caching=self.enable_prefix_caching, **tiers)
+        if self.kv_host_bytes and self.decode_tp > 1:  # engine.model_runner refuses it
+            raise ValueError(f"kv_host_bytes: the KV tiers serve single-rank engines for now; "
+                             f"set decode_tp 1 (got {self.decode_tp}) or kv_host_bytes 0")
+        return tiers
 
     def tls(self) -> TLSFiles | None:
         """The fronts' TLS files (checked to exist), or None when TLS is off."""

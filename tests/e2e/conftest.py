@@ -31,14 +31,18 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="package")
-def tiny_service(ray_cluster, tiny_llama_dir, tiny_lora_dirs):
+def tiny_service(ray_cluster, tiny_llama_dir, tiny_lora_dirs, tmp_path_factory):
     """1 prefill + 1 decode worker, the router with its gRPC and OpenAI HTTP fronts, Redis;
-    the tiny model's three LoRA adapters served over it (two per engine step)."""
+    the tiny model's three LoRA adapters served over it (two per engine step); KV tiers (host
+    and disk) under both workers' pools, so every module's checks that no block is left held
+    and that the tokens are the offline engine's also hold with the tiers' copies running."""
     modules = " ".join(f"{name}={path}" for name, path in sorted(tiny_lora_dirs.items()))
     settings = tiny_settings(tiny_llama_dir, ray_cluster.address, http_port=free_port(),
                              max_inflight_requests=MAX_INFLIGHT, max_queued_requests=MAX_QUEUED,
                              redis_namespace=SHARED_NAMESPACE, enable_lora=True,
-                             lora_modules=modules, max_loras=2)
+                             lora_modules=modules, max_loras=2, kv_host_bytes=64 * 8192,
+                             kv_disk_path=str(tmp_path_factory.mktemp("kv-disk")),
+                             kv_disk_bytes=4 << 20)  # 64 blocks in host, ~480 on disk
     with running(settings) as service:
         yield service
 

@@ -160,3 +160,25 @@ def test_starts_while_redis_is_down_and_closes_promptly():
     finally:
         pub.close()
         server.stop()
+
+
+def test_each_tier_has_its_own_set_and_a_snapshot_empties_a_tier_it_does_not_name(redis_server):
+    url = redis_server.url
+    client = redis.Redis.from_url(url)
+    client.sadd("t-tier:prefix:w0:disk", _h(50))  # an earlier run's disk tier
+    client.close()
+    pub = PrefixIndexPublisher(url, None, "t-tier", "w0", check_interval_s=0.2)
+    try:
+        wait_until(lambda: pub.needs_snapshot, what="the publisher asks for a snapshot")
+        pub.snapshot([_h(1)], {"host": [_h(1), _h(2)]})
+        wait_until(lambda: pub.synced, what="snapshot applied")
+        pub.publish([_h(3)], [_h(2)], "host")
+        pub.publish([_h(2)], [], "disk")
+        keys = pub.keys
+        wait_until(lambda: _members(url, keys["disk"]) == {_h(2)}, what="tier events")
+        assert _members(url, keys["device"]) == {_h(1)}
+        assert _members(url, keys["host"]) == {_h(1), _h(3)}
+        assert keys == {"device": "t-tier:prefix:w0", "host": "t-tier:prefix:w0:host",
+                        "disk": "t-tier:prefix:w0:disk"}
+    finally:
+        pub.close()

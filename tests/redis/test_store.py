@@ -13,6 +13,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from pdserve.engine.block_hash import hash_blocks
+from pdserve.router.policy import TierHits
 from pdserve.router.store import RedisStore, Session
 
 TIMEOUT_S = 0.25  # generous for a loaded 2-core machine; the fail-open tests use the default
@@ -61,9 +62,30 @@ def test_prefix_hits_count_leading_hashes_per_worker(redis_server):
     async def main() -> None:
         store = RedisStore(redis_server.url, namespace="t-pfx", timeout_s=TIMEOUT_S)
         hits = await store.prefix_hits(h, ["w-all", "w-hole", "w-tail", "w-none"])
-        assert hits == {"w-all": 3, "w-hole": 1, "w-tail": 0, "w-none": 0}
-        assert await store.prefix_hits(h[:2], ["w-all", "w-hole"]) == {"w-all": 2, "w-hole": 1}
-        assert await store.prefix_hits(h[1:], ["w-tail"]) == {"w-tail": 2}  # order matters
+        assert hits == {"w-all": TierHits(3), "w-hole": TierHits(1), "w-tail": TierHits(0),
+                        "w-none": TierHits(0)}
+        assert await store.prefix_hits(h[:2], ["w-all", "w-hole"]) == {
+            "w-all": TierHits(2), "w-hole": TierHits(1)}
+        # order matters
+        assert await store.prefix_hits(h[1:], ["w-tail"]) == {"w-tail": TierHits(2)}
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_prefix_hits_follow_a_prefix_into_each_workers_kv_tiers(redis_server):
+    h = _hashes(5)
+    client = _sync(redis_server.url)
+    client.sadd("t-tier:prefix:w", h[0])
+    client.sadd("t-tier:prefix:w:host", h[0], h[1], h[2])  # written through: h0 is in both
+    client.sadd("t-tier:prefix:w:disk", h[3])  # h4 nowhere: the run ends there
+    client.sadd("t-tier:prefix:v:disk", *h)
+    client.close()
+
+    async def main() -> None:
+        store = RedisStore(redis_server.url, namespace="t-tier", timeout_s=TIMEOUT_S)
+        assert await store.prefix_hits(h, ["w", "v"]) == {
+            "w": TierHits(device=1, host=2, disk=1), "v": TierHits(disk=5)}
         await store.close()
 
     asyncio.run(main())
@@ -98,8 +120,8 @@ def test_namespaces_are_isolated(redis_server):
         client = _sync(redis_server.url)
         client.sadd(a.prefix_key("w"), *h)
         client.close()
-        assert await a.prefix_hits(h, ["w"]) == {"w": 2}
-        assert await b.prefix_hits(h, ["w"]) == {"w": 0}
+        assert await a.prefix_hits(h, ["w"]) == {"w": TierHits(2)}
+        assert await b.prefix_hits(h, ["w"]) == {"w": TierHits(0)}
         await a.close()
         await b.close()
 
@@ -137,7 +159,7 @@ def test_fails_open_when_stopped_and_recovers_on_restart(own_redis_server, caplo
         store = RedisStore(server.url, timeout_s=TIMEOUT_S)
         await store.put_session("s", [1, 2], "d")
         _sync(server.url).sadd(store.prefix_key("w"), *h)
-        assert await store.prefix_hits(h, ["w"]) == {"w": 2} and store.healthy
+        assert await store.prefix_hits(h, ["w"]) == {"w": TierHits(2)} and store.healthy
         server.stop()
         with caplog.at_level(logging.INFO, logger="pdserve.router.store"):
             for _ in range(3):  # one warning for the transition, not one per call
@@ -157,7 +179,7 @@ def test_fails_open_when_stopped_and_recovers_on_restart(own_redis_server, caplo
         assert await store.get_session("s") is None  # the restarted server is empty
         await store.put_session("s", [4, 5], "d2")
         assert await store.get_session("s") == Session((4, 5), "d2")
-        assert await store.prefix_hits(h, ["w"]) == {"w": 0}
+        assert await store.prefix_hits(h, ["w"]) == {"w": TierHits(0)}
         await store.close()
 
     asyncio.run(main())

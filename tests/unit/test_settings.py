@@ -23,7 +23,12 @@ SAMPLES = {"speculative_config": [f'{{"method": "ngram", "num_speculative_tokens
                                   for n in (1, 2, 3)],
            "lora_modules": ["a=/adapters/a", "b=/adapters/b c=/adapters/c", '{"d": "/d"}'],
            "cuda_graph_sizes": ["1 2 4", "8,16", "3"]}
-OPTIONAL = [f.name for f in FIELDS if f.default is None]
+# fields valid only beside others (a disk KV tier takes its directory, its size and a host tier
+# above it): what those are set to, in the environment, wherever the field is set
+COMPANIONS = {"kv_disk_path": {"kv_disk_bytes": 1 << 30, "kv_host_bytes": 1 << 30},
+              "kv_disk_bytes": {"kv_disk_path": "/var/tmp/kv", "kv_host_bytes": 1 << 30}}
+# optional fields that None turns off only with their companions: test_kv_tier_settings.py
+OPTIONAL = [f.name for f in FIELDS if f.default is None and f.name not in COMPANIONS]
 
 
 def _field(name: str) -> dataclasses.Field:
@@ -64,6 +69,11 @@ def _env(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
 
+def _companions(name: str) -> dict[str, str]:
+    """The environment of the fields `name` needs beside it (COMPANIONS)."""
+    return {_env(k): str(v) for k, v in COMPANIONS.get(name, {}).items()}
+
+
 def _text(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
@@ -101,7 +111,7 @@ def test_every_field_has_a_flag(parser) -> None:
 @pytest.mark.parametrize("name", FIELD_NAMES)
 def test_field_through_flag(parser, name: str) -> None:
     value = _values(name)[0]
-    settings = ServeSettings.load(parser.parse_args(_flag_argv(name, value)), {})
+    settings = ServeSettings.load(parser.parse_args(_flag_argv(name, value)), _companions(name))
     assert getattr(settings, name) == value
     assert type(getattr(settings, name)) is type(value)
 
@@ -109,7 +119,8 @@ def test_field_through_flag(parser, name: str) -> None:
 @pytest.mark.parametrize("name", FIELD_NAMES)
 def test_field_through_env(parser, name: str) -> None:
     value = _values(name)[0]
-    settings = ServeSettings.load(parser.parse_args([]), {_env(name): _text(value)})
+    settings = ServeSettings.load(parser.parse_args([]),
+                                  {_env(name): _text(value), **_companions(name)})
     assert getattr(settings, name) == value
     assert type(getattr(settings, name)) is type(value)
 
@@ -118,7 +129,7 @@ def test_field_through_env(parser, name: str) -> None:
 def test_field_through_config_file(parser, tmp_path, name: str) -> None:
     value = _values(name)[0]
     path = _write_config(tmp_path, {name: value})
-    settings = ServeSettings.load(parser.parse_args(["--config", str(path)]), {})
+    settings = ServeSettings.load(parser.parse_args(["--config", str(path)]), _companions(name))
     assert getattr(settings, name) == value
     assert type(getattr(settings, name)) is type(value)
 
@@ -128,12 +139,12 @@ def test_precedence_flag_over_env_over_file_over_default(parser, tmp_path, name:
     in_file, in_env, in_flag = _values(name)
     path = _write_config(tmp_path, {name: in_file})
     config = ["--config", str(path)]
-    env = {_env(name): _text(in_env)}
+    env = {_env(name): _text(in_env), **_companions(name)}
     load = ServeSettings.load
     all_three = parser.parse_args(config + _flag_argv(name, in_flag))
     assert getattr(load(all_three, env), name) == in_flag
     assert getattr(load(parser.parse_args(config), env), name) == in_env
-    assert getattr(load(parser.parse_args(config), {}), name) == in_file
+    assert getattr(load(parser.parse_args(config), _companions(name)), name) == in_file
     assert getattr(load(parser.parse_args([]), {}), name) == _field(name).default
 
 
@@ -285,6 +296,9 @@ def test_wrong_type_in_yaml_names_file_and_key(parser, tmp_path, key: str, value
         ("prefill_step_ms", -1.0),
         ("scheduling_policy", "lifo"),
         ("cuda_graph_sizes", "1,x"),
+        ("kv_host_bytes", -1),
+        ("kv_disk_bytes", 1 << 30),  # no kv_disk_path
+        ("kv_disk_path", "/var/tmp/kv"),  # no kv_disk_bytes
     ],
 )
 def test_invalid_value_names_the_field_in_every_layer(parser, tmp_path, key: str, value) -> None:

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.engine.config import load_model_config
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer.descriptor import Endpoint
@@ -107,3 +108,42 @@ def test_seeded_sampling_continues_across_prefill_and_decode(tiny_llama_dir, wor
     expected = single_engine(tiny_llama_dir, prompts, params)
     got = [generate_pd(prefill, decode, f"s{i}", p, params) for i, p in enumerate(prompts)]
     assert got == expected
+
+
+def test_prefixes_come_back_from_host_and_disk_tiers_on_both_sides(tiny_llama_dir, tmp_path):
+    """A prefill worker whose device pool cannot keep the prompts' prefixes gets them back
+    from its host and disk tiers, and a decode worker's reservation takes them from its host
+    tier (so they are not pushed again): the tokens are the single engine's, fewer are
+    computed, and no block is left held on either side."""
+    import dataclasses
+    import random
+
+    from pdserve.engine.config import CacheConfig
+
+    base = [random.Random(i).choices(range(3, 40000), k=200) for i in range(4)]
+    prompts = base + [p + [7, 8] for p in base]  # each prefix again, after the others
+    expected = single_engine(tiny_llama_dir, prompts)
+    block_bytes = 16 * load_model_config(tiny_llama_dir).kv_bytes_per_token()
+    config = dataclasses.replace(engine_config(tiny_llama_dir), cache=CacheConfig(
+        num_blocks=32, kv_host_bytes=16 * block_bytes, kv_disk_path=str(tmp_path),
+        kv_disk_bytes=64 * (block_bytes + 4096)))
+    decode_config = dataclasses.replace(engine_config(tiny_llama_dir), cache=CacheConfig(
+        num_blocks=32, kv_host_bytes=64 * block_bytes))
+    hub = LoopbackHub()
+    decode_ep = Endpoint("127.0.0.1", 9, 0)
+    decode = DecodeWorker(decode_config, hub.listener(decode_ep, secret=SECRET),
+                          [decode_ep], MODEL_NAME)
+    prefill = PrefillWorker(config, hub.connector(Endpoint("127.0.0.1", 8, 0), secret=SECRET),
+                            MODEL_NAME)
+    try:
+        got = [generate_pd(prefill, decode, f"t{i}", p, PARAMS) for i, p in enumerate(prompts)]
+        assert got == expected
+        tiers = prefill.core.kv_cache.tiers.stats
+        assert tiers.host_hits == 4 * 12 and tiers.disk_hits > 0  # every full prompt block
+        assert prefill.stats().num_computed_tokens == sum(map(len, prompts)) - 4 * 12 * 16
+        assert decode.core.kv_cache.tiers.stats.host_hits == 4 * 12  # reserved from host
+        for stats in (prefill.stats(), decode.stats()):
+            assert stats.num_free_blocks == stats.num_blocks
+    finally:
+        prefill.close()
+        decode.close()

@@ -1,0 +1,182 @@
+"""KVOffload: the runner's side of the KV tiers; it copies what engine.kv_tiers decided.
+
+The host tier is one byte tensor, `[num_slots, block_nbytes]` (pinned on CUDA), a slot holding
+one device block: every layer's K and V (and an int8 cache's scales), in that order. The disk
+tier is engine.kv_disk's files, one per block, under a directory named by this rank's layout id.
+
+Per step, `start(ops)` first copies the plan's loads (host -> device) on the caller's thread,
+then hands its demotions, stores, promotions and deletes, in that order, to one copy thread,
+so they overlap the forward and run in the order the tiers decided them. It also times them:
+`host_load_s` and `disk_load_s` are the seconds one block takes to load from host and to read
+back from disk (moving averages; None before the first), what the router prices a tier hit
+by (on CUDA the loads' time is their launch's). `results()` reports
+the copies finished since the last call; with `wait` it waits for all of them (a step with
+nothing else to do). On CUDA the copy thread uses its own stream and waits for the loads'
+event before touching a slot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from pdserve.engine.block_hash import BlockHash
+from pdserve.engine.kv_disk import DiskKVStore
+from pdserve.engine.kv_tiers import TierOps, TierResults
+
+logger = logging.getLogger(__name__)
+
+
+def layout_id(description: dict[str, Any]) -> bytes:
+    """16 bytes naming what a block's bytes mean (model, dtype, shapes, TP rank)."""
+    canonical = json.dumps(description, sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(canonical.encode(), digest_size=16, person=b"pdkv-layout").digest()
+
+
+_KINDS = tuple(f.name for f in fields(TierResults))
+
+
+@dataclass
+class _Done:
+    """One op's outcome, reported once."""
+
+    kind: str  # a TierResults field name
+    key: Any  # host slot (stored) or block hash
+
+
+class KVOffload:
+    def __init__(
+        self, kv_caches: Sequence[tuple[torch.Tensor, ...]], host_bytes: int,
+        disk_path: str | None = None, disk_bytes: int = 0, layout: dict[str, Any] | None = None,
+    ) -> None:
+        """`kv_caches`: per layer the cache tensors, blocks first (`[num_blocks, ...]`);
+        `layout`: what this rank's block bytes mean (the disk files' layout id)."""
+        self._parts = [t for layer in kv_caches for t in layer]
+        self._cuda = self._parts[0].device.type == "cuda"
+        self._sizes = [t[0].numel() * t.element_size() for t in self._parts]
+        self._offsets = [sum(self._sizes[:i]) for i in range(len(self._sizes))]
+        self.block_nbytes = sum(self._sizes)
+        for t, off in zip(self._parts, self._offsets):  # every view of a slot stays aligned
+            assert off % t.element_size() == 0 and self.block_nbytes % 8 == 0, (off, t.dtype)
+        self.num_host_slots = host_bytes // self.block_nbytes
+        if self.num_host_slots < 1:
+            raise ValueError(f"kv_host_bytes: {host_bytes} bytes hold no block of "
+                             f"{self.block_nbytes} bytes; raise it or set it to 0")
+        self.host = torch.empty((self.num_host_slots, self.block_nbytes), dtype=torch.uint8,
+                                pin_memory=self._cuda)
+        self.disk = None
+        self.num_disk_blocks = 0
+        if disk_path is not None:
+            block_size = self._parts[0].shape[1]  # [num_blocks, block_size, ...]
+            self.disk = DiskKVStore(disk_path, layout_id(layout or {}), block_size,
+                                    self.block_nbytes)
+            self.num_disk_blocks = disk_bytes // self.disk.file_nbytes
+            if self.num_disk_blocks < 1:
+                raise ValueError(f"kv_disk_bytes: {disk_bytes} bytes hold no block file of "
+                                 f"{self.disk.file_nbytes} bytes; raise it")
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kv-offload")
+        self._stream = torch.cuda.Stream(self._parts[0].device) if self._cuda else None
+        self._running: list[Future] = []
+        self.host_load_s: float | None = None
+        self.disk_load_s: float | None = None
+        logger.info("KV tiers: host %d blocks (%.1f MiB)%s", self.num_host_slots,
+                    self.host.numel() / 2**20, f", disk {self.num_disk_blocks} blocks under "
+                    f"{disk_path}" if self.disk else "")
+
+    def start(self, ops: TierOps) -> None:
+        """Copy the loads now; queue the rest on the copy thread (even if a load fails)."""
+        try:
+            start = time.perf_counter()
+            for slot, block_id in ops.loads:
+                self._copy(slot, block_id, to_device=True)
+            if ops.loads:
+                per_block = (time.perf_counter() - start) / len(ops.loads)
+                self.host_load_s = _average(self.host_load_s, per_block)
+        finally:
+            loaded = None
+            if self._cuda and ops.loads:
+                loaded = torch.cuda.Event()
+                loaded.record()
+            if ops.demotions or ops.stores or ops.promotions or ops.deletes:
+                self._running.append(self._thread.submit(self._run, ops, loaded))
+
+    def results(self, wait: bool = False) -> TierResults:
+        """Copies that finished since the last call (all of them, with `wait`)."""
+        done: list[_Done] = []
+        while self._running and (wait or self._running[0].done()):
+            done += self._running.pop(0).result()
+        return TierResults(**{kind: tuple(d.key for d in done if d.kind == kind)
+                              for kind in _KINDS})
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+
+    # ---- the copy thread ----
+
+    def _run(self, ops: TierOps, loaded: torch.cuda.Event | None) -> list[_Done]:
+        """The ops' outcomes; if anything unexpected fails, every op of the batch fails (its
+        blocks are then misses, and the device blocks held for its stores are let go)."""
+        try:
+            return self._run_ops(ops, loaded)
+        except Exception:
+            logger.exception("KV tiers: a batch of copies failed")
+            return ([_Done("failed_demotions", h) for _, h, _ in ops.demotions]
+                    + [_Done("failed_stores", slot) for _, slot in ops.stores]
+                    + [_Done("failed_promotions", h) for h, _, _ in ops.promotions])
+
+    def _run_ops(self, ops: TierOps, loaded: torch.cuda.Event | None) -> list[_Done]:
+        if loaded is not None:
+            loaded.synchronize()  # the loads read slots these ops may write
+        done = [self._demote(slot, h, tokens) for slot, h, tokens in ops.demotions]
+        for block_id, slot in ops.stores:
+            self._copy(slot, block_id, to_device=False)
+        if self._stream is not None:
+            self._stream.synchronize()
+        done += [_Done("stored", slot) for _, slot in ops.stores]
+        done += [self._promote(h, tokens, slot) for h, tokens, slot in ops.promotions]
+        for block_hash in ops.deletes:
+            self.disk.delete(block_hash)
+        return done
+
+    def _demote(self, slot: int, block_hash: BlockHash, tokens: Sequence[int]) -> _Done:
+        try:
+            self.disk.write(block_hash, tokens, self.host[slot].numpy().tobytes())
+        except OSError as exc:
+            logger.warning("disk tier: writing block %s failed: %s", block_hash.hex(), exc)
+            return _Done("failed_demotions", block_hash)
+        return _Done("demoted", block_hash)
+
+    def _promote(self, block_hash: BlockHash, tokens: Sequence[int], slot: int) -> _Done:
+        start = time.perf_counter()
+        payload = self.disk.read(block_hash, tokens)
+        if payload is None:
+            return _Done("failed_promotions", block_hash)
+        self.host[slot].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        self.disk_load_s = _average(self.disk_load_s, time.perf_counter() - start)
+        return _Done("promoted", block_hash)
+
+    def _copy(self, slot: int, block_id: int, to_device: bool) -> None:
+        """One block between its device cache rows and its host slot, part by part."""
+        row = self.host[slot]
+        on_side = self._stream is not None and not to_device
+        with torch.cuda.stream(self._stream) if on_side else nullcontext():
+            for t, off, n in zip(self._parts, self._offsets, self._sizes):
+                host = row[off:off + n].view(t.dtype).view(t.shape[1:])
+                if to_device:
+                    t[block_id].copy_(host, non_blocking=self._cuda)
+                else:
+                    host.copy_(t[block_id], non_blocking=self._cuda)
+
+
+def _average(mean: float | None, sample: float, weight: float = 0.2) -> float:
+    """An exponential moving average (the first sample starts it)."""
+    return sample if mean is None else (1 - weight) * mean + weight * sample
