@@ -24,6 +24,9 @@ off / on; and how many replies differ from the tiers-off run's (greedy: expect 0
 
     .venv/bin/python benchmarks/multi_turn.py                       # 64 sessions x 8 turns
     .venv/bin/python benchmarks/multi_turn.py --sessions 16 --turns 3 --concurrency 4 --disk
+
+Why one file: a benchmark is one script a user reads and runs; its workload, sizing, client and
+report go top to bottom, and nothing else imports them.
 """
 
 from __future__ import annotations

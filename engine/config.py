@@ -2,6 +2,10 @@
 
 Derived values (the number of KV blocks, the context window) come from functions that return
 a new config, never from mutation.
+
+Why one file: the configs check each other (the pool must hold one context of the model, CUDA
+graph sizes must fit the scheduler's batch, tiers exclude a draft model), and one engine's
+whole configuration reads in one place, as vLLM's EngineArgs and its configs do.
 """
 
 from __future__ import annotations

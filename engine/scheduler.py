@@ -22,6 +22,10 @@ is being read back from disk keeps its place in the queue until it has landed. T
 carries the tiers' copies to the runner, and its result says which landed.
 
 `Scheduler.stats` (`SchedulerStats`): what the scheduler has done, as cumulative counters.
+
+Why one file: the queues, admission (with its prefix hits from every tier), preemption and the
+plan are one state machine over the same queues and blocks; split, each part would reach into
+the others' state, which the scheduler alone owns.
 """
 
 from __future__ import annotations
