@@ -8,7 +8,9 @@ Bootstrap, driven by the launcher (every rank lives in one placement group, so o
              `start_decode_rank`: rank 0 serves its DecodeWorker over gRPC and returns the
              address; the other ranks follow rank 0 in a thread and return None at once
 The KV listeners (`kv_listener`) carry tensors of the spec's device (NCCL data groups on
-CUDA), as the prefill side's connector does (prefill_worker.service).
+CUDA), as the prefill side's connector does (prefill_worker.service); so does a TP-1
+worker's sender transport (`pull_transport`), which pushes its cached prefixes to other decode
+workers that pull them.
 The actor must run with max_concurrency >= 2, so `ping` answers while a rank follows.
 The cluster secret comes from the actor's environment (the pool's runtime_env), never args.
 """
@@ -38,7 +40,7 @@ from pdserve.kvtransfer.device_groups import (
     nccl_group,
     shared_gpu_reason,
 )
-from pdserve.kvtransfer.rendezvous import GlooListener
+from pdserve.kvtransfer.rendezvous import GlooConnector, GlooListener
 from pdserve.worker_spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -86,6 +88,16 @@ def kv_listener(spec: WorkerSpec, secret: ClusterSecret, rank: int = 0, port: in
     at `port`; its data groups carry tensors of the spec's device (NCCL on CUDA)."""
     return GlooListener(spec.host, rank=rank, port=port, host_store=host_store,
                         device=spec.device, connect_timeout_s=CONNECT_TIMEOUT_S, secret=secret)
+
+
+def pull_transport(spec: WorkerSpec, secret: ClusterSecret, endpoints: list[Endpoint],
+                   tp_size: int) -> GlooConnector | None:
+    """A TP-1 worker's KV sender transport for pushing prefixes to other decode workers
+    (decode_worker.prefix_push): its identity is its KV listener's endpoint, its data groups
+    carry the spec's device. None for a TP group (each rank holds a shard: no pulls from it)."""
+    if tp_size > 1:
+        return None
+    return GlooConnector(endpoints[0], device=spec.device, secret=secret)
 
 
 class DecodeRankActor:
@@ -139,7 +151,9 @@ class DecodeRankActor:
         args = (self.spec.engine_config(), tp, self.listener, endpoints, self.spec.model_name)
         if self.rank == 0:
             worker = start_decode_rank(*args, max_reservation_s=self.spec.max_reservation_s,
-                                       tp_beat_s=self.spec.tp_beat_s)
+                                       tp_beat_s=self.spec.tp_beat_s,
+                                       transport=pull_transport(self.spec, self.secret,
+                                                                endpoints, self.tp_size))
             self.service = DecodeService(worker, self.spec.worker_id, self.spec.host,
                                          self.secret, stall_timeout_s=self.spec.stall_timeout_s,
                                          tls=self.spec.tls())

@@ -11,7 +11,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.parallel import TensorParallel
 from pdserve.engine.spec.make import sized
-from pdserve.kvtransfer.connector import Listener
+from pdserve.kvtransfer.connector import Connector, Listener
 from pdserve.kvtransfer.descriptor import Endpoint
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.receiver import KVReceiver
@@ -26,11 +26,14 @@ def start_decode_rank(
     *,
     max_reservation_s: float = MAX_RESERVATION_S,
     tp_beat_s: float = TP_BEAT_S,
+    transport: Connector | None = None,
 ) -> DecodeWorker | None:
-    """Rank 0: the running DecodeWorker. Other ranks: serve until rank 0 stops; None."""
+    """Rank 0: the running DecodeWorker (pushing prefixes through `transport`, TP 1 only).
+    Other ranks: serve until rank 0 stops; None."""
     if tp.rank == 0:
         return DecodeWorker(config, listener, endpoints, model_name, tp,
-                            max_reservation_s=max_reservation_s, tp_beat_s=tp_beat_s)
+                            max_reservation_s=max_reservation_s, tp_beat_s=tp_beat_s,
+                            transport=transport)
     config = sized(config)  # the block count rank 0 has (a draft model's KV shares blocks)
     runner = ModelRunner(replace(config, speculative=None), tp)
     layout = KVLayout.from_model_config(config.model, config.cache.block_size, model_name)

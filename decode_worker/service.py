@@ -13,8 +13,9 @@ newer stream of the same router ends the older one, ABORTED.
 
 Every RPC needs the cluster secret (pdserve.worker_grpc), and a client certificate too when
 `tls` is given (worker-plane mutual TLS; the spec's `tls()`). Status codes the router acts on:
-INVALID_ARGUMENT a bad field (nothing was queued), NOT_FOUND a Start with no live reservation,
-UNAVAILABLE only when this worker is closing or its loop died.
+INVALID_ARGUMENT a bad field (nothing was queued), NOT_FOUND a Start with no live reservation
+or a PushPrefix for blocks no longer cached here, ABORTED a PushPrefix whose KV did not reach
+the puller, UNAVAILABLE only when this worker is closing or its loop died.
 """
 
 from __future__ import annotations
@@ -37,8 +38,13 @@ from pdserve.decode_worker.subscriptions import (
     Subscription,
     check_router_id,
 )
-from pdserve.decode_worker.worker import DecodeWorker, ReservationNotFound
-from pdserve.kvtransfer.descriptor import Endpoint
+from pdserve.decode_worker.worker import (
+    DecodeWorker,
+    PrefixGone,
+    PushFailed,
+    ReservationNotFound,
+)
+from pdserve.kvtransfer.descriptor import Endpoint, TransferDescriptor
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.tls import TLSFiles
 from pdserve.wire import (
@@ -95,12 +101,25 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.StartResponse()
 
     def Submit(self, request, context):
-        granted = self._owned(context, request, lambda: self.worker.submit(
-            request.request_id, list(request.prompt_token_ids),
-            sampling_from_proto(request.sampling, default_max_tokens=1),
-            request.num_output_tokens, lora_from_proto(request),
-        ))
-        return worker_pb2.SubmitResponse(granted=granted)
+        args = (request.request_id, list(request.prompt_token_ids),
+                sampling_from_proto(request.sampling, default_max_tokens=1))
+        tail = (request.num_output_tokens, lora_from_proto(request))
+        if not request.pull_sources and not request.num_pull_tokens:
+            granted = self._owned(context, request, lambda: self.worker.submit(*args, *tail))
+            return worker_pb2.SubmitResponse(granted=granted)
+        sources = [Endpoint(s.host, s.port, s.rank) for s in request.pull_sources]
+        granted, descriptor = self._owned(context, request, lambda: self.worker.submit_pulling(
+            *args, sources, request.num_pull_tokens, request.pull_deadline, *tail))
+        return worker_pb2.SubmitResponse(
+            granted=granted, pull_descriptor=descriptor.encode() if descriptor else b"")
+
+    def PushPrefix(self, request, context):
+        descriptor = self._checked(context, lambda: TransferDescriptor.decode(request.descriptor))
+        seconds = self._checked(context, lambda: self.worker.push_prefix(
+            request.request_id, list(request.prompt_token_ids), lora_from_proto(request),
+            descriptor))
+        return worker_pb2.PushPrefixResponse(
+            transfer_bytes=descriptor.pushed_nbytes(self.worker.layout), transfer_s=seconds)
 
     def _owned(self, context, request, call):
         """Reserve / Submit's `call` with the request's owner recorded first (its first delta
@@ -112,7 +131,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             accepted = self._checked(context, call)
             return accepted
         finally:
-            if claimed and (accepted is None or accepted is False):  # refused or raised
+            granted = accepted[0] if isinstance(accepted, tuple) else accepted
+            if claimed and (granted is None or granted is False):  # refused or raised
                 self.fanout.release(request.request_id)
 
     def Outputs(self, request, context):
@@ -184,6 +204,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             num_draft_tokens=s.num_draft_tokens, num_accepted_tokens=s.num_accepted_tokens,
             step_token_budget=s.step_token_budget,
             num_computed_tokens=s.num_computed_tokens, **s.kv_tier_counts(),
+            kv_source=_endpoint(self.worker.pusher.source) if self.worker.pusher else None,
+            num_pulled_tokens=s.num_pulled_tokens,
+            num_failed_pull_tokens=s.num_failed_pull_tokens,
         )
 
     @staticmethod
@@ -192,10 +215,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             return call()
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except ReservationNotFound as exc:
+        except (ReservationNotFound, PrefixGone) as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except PushFailed as exc:
+            context.abort(grpc.StatusCode.ABORTED, str(exc))
         except RuntimeError as exc:  # the worker is closed or its loop died
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+
+def _endpoint(endpoint: Endpoint) -> worker_pb2.Endpoint:
+    return worker_pb2.Endpoint(host=endpoint.host, port=endpoint.port, rank=endpoint.rank)
 
 
 class DecodeService:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pdserve.engine.block_hash import BlockHash, chain_root, hash_blocks
 from pdserve.engine.block_pool import Block, BlockPool
 from pdserve.engine.kv_tiers import KVTiers, TierHit, TierOps
+from pdserve.engine.lora_request import LoRARequest
 from pdserve.engine.request import Request
 
 logger = logging.getLogger(__name__)
@@ -123,6 +124,29 @@ class KVCacheManager:
                     and self.tiers is not None):
                 self.tiers.on_cached(blocks[i])
         self._num_cached_blocks[request.request_id] = num_full
+
+    def hold_cached(self, token_ids: Sequence[int], lora: LoRARequest | None, first_block: int,
+                    num_blocks: int) -> list[Block]:
+        """Take a reference on blocks [first_block, first_block + num_blocks) of the prefix
+        `token_ids` (run with `lora`), so nothing evicts or rewrites them while another worker
+        reads them (`release_held` gives them back); LookupError, holding nothing, unless the
+        device prefix cache holds every one."""
+        size = self.block_size
+        hashes = hash_blocks(token_ids, size, root=chain_root(lora))
+        blocks = []
+        for i in range(first_block, first_block + num_blocks):
+            block = self.pool.lookup(hashes[i], token_ids[i * size:(i + 1) * size]) \
+                if i < len(hashes) else None
+            if block is None:
+                raise LookupError(f"block {i} of the prefix is not in this worker's prefix "
+                                  f"cache (evicted since, or never held)")
+            blocks.append(block)
+        self.pool.touch(blocks)
+        return blocks
+
+    def release_held(self, blocks: Sequence[Block]) -> None:
+        """Give back what `hold_cached` took."""
+        self.pool.release(reversed(blocks))
 
     def take_tier_ops(self) -> TierOps:
         """The tiers' copies for the next step (none without tiers)."""

@@ -9,7 +9,9 @@ Scheduler side (called by the Scheduler):
                                   transfer descriptor). Only a receiving connector accepts.
     poll()                        before each schedule: which of those transfers are ready
                                   (KV landed everywhere, first token known) and which failed
-                                  or expired. The scheduler admits the first, ends the others.
+                                  or expired. The scheduler admits the first, ends the others
+                                  (a pulled prefix: it queues the request for a local
+                                  prefill of the rest either way, from scratch on failure).
     request_finished(request)     a request ended (finished, aborted, failed): whatever the
                                   connector still holds for it goes, before its blocks are freed.
 
@@ -42,15 +44,35 @@ from pdserve.engine.scheduler_output import KVSaveResult, SchedulerOutput, Token
 if TYPE_CHECKING:  # the scheduler imports this module, and the scheduler imports no torch
     import torch
 
+    from pdserve.kvtransfer.descriptor import Endpoint
+
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class RemotePrefill:
+    """A reserved request's `kv_transfer`: who pushes its prompt KV, and by when.
+
+    `num_tokens` None: the whole prompt's KV and its first token come from a prefill worker.
+    A number: a pull — the prompt's first `num_tokens` tokens (whole blocks, not the last
+    token) come from another decode worker's prefix cache, and the rest is computed here."""
+
+    sources: tuple[Endpoint, ...]  # the pushing ranks
+    deadline: float  # time.time(): the reservation is reclaimed (a pull given up) then
+    num_tokens: int | None = None
+
+    @property
+    def is_pull(self) -> bool:
+        return self.num_tokens is not None
+
+
+@dataclass(frozen=True)
 class KVArrival:
-    """A remote prompt's KV has landed on every rank, and its first token is known."""
+    """A remote prompt's KV has landed on every rank, and its first token is known; or a
+    pulled prefix has landed (`first_token` None: the rest of the prompt is computed here)."""
 
     request_id: str
-    first_token: int
+    first_token: int | None
     logprobs: TokenLogprobs | None = None
 
 

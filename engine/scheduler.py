@@ -15,6 +15,10 @@ With a KV connector (engine.kv_connector) a request's prompt KV may come from el
 `reserve_remote` holds its blocks and leaves it with the connector, in no queue, until a
 `poll` at the top of `schedule` says it is ready (it then runs from its first token) or
 that its transfer failed (it ends with an error). Outputs made there leave with the step's.
+A pull (`RemotePrefill.num_tokens`: a prompt prefix another decode worker holds) reserves the
+prefix's blocks alone; landed, the request joins the queue with that prefix computed (and
+cached here), and its rest is prefilled here; failed or expired, it joins the queue from
+scratch: the prefix is recomputed, never lost.
 
 With KV tiers (engine.kv_tiers) a waiting request's prefix continues below the device: blocks
 in host memory are loaded into its fresh blocks before its first step; a request whose prefix
@@ -38,7 +42,8 @@ from dataclasses import dataclass
 
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.kv_connector import KVArrival, KVConnector
+from pdserve.engine.kv_connector import KVArrival, KVConnector, RemotePrefill
+from pdserve.engine.kv_tiers import TierHit
 from pdserve.engine.lora_request import LoRARequest
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler_output import (
@@ -62,6 +67,10 @@ class SchedulerStats:
     # they would have cost at the step-time model's marginal rate when they were loaded.
     num_tier_tokens: int = 0
     tier_saved_s: float = 0.0
+    # Prompt tokens pulled from another decode worker's prefix cache instead of computed, and
+    # those whose pull failed or expired (computed here after all).
+    num_pulled_tokens: int = 0
+    num_failed_pull_tokens: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
     # Speculative decoding: one verification = one sequence's drafts checked in one step.
@@ -132,6 +141,10 @@ class Scheduler:
         prefix cache are shared, not reserved anew, and those in the host tier are loaded
         (before any step could run the request): `num_cached_tokens` tells the connector they
         need no KV from elsewhere. A prefix on disk is not waited for (nor read) here.
+
+        A pull reserves the pulled prefix's blocks alone. When this worker holds that whole
+        prefix already, nothing is pulled: the request is queued for a local prefill and None
+        is returned (it is then in `requests`).
         """
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
@@ -139,11 +152,20 @@ class Scheduler:
             raise ValueError("this engine has no KV connector: it cannot take remote KV")
         if len(self.running) + self.num_remote >= self.config.max_num_seqs:
             return None
-        hits = self.kv_cache.find_cached_prefix(request, request.num_prompt_tokens)
-        below = self.kv_cache.find_tier_hit(request, hits, request.num_prompt_tokens, wait=False)
+        remote = request.kv_transfer
+        pulled = remote.num_tokens if isinstance(remote, RemotePrefill) and remote.is_pull \
+            else None
+        num_remote = pulled or request.num_prompt_tokens  # tokens whose KV comes from elsewhere
+        # a prefill computes the prompt's last token at least; a pulled prefix may be all hits
+        limit = num_remote + 1 if pulled else num_remote
+        hits = self.kv_cache.find_cached_prefix(request, limit)
+        below = self.kv_cache.find_tier_hit(request, hits, limit, wait=False)
         num_hit = (len(hits) + len(below.host_slots)) * self.kv_cache.block_size
-        if not self.kv_cache.allocate(request, request.num_prompt_tokens - num_hit, hits,
-                                      below.host_slots):
+        if pulled is not None and num_hit >= pulled:  # held here already: nothing to pull
+            request.kv_transfer = None
+            self.add_request(request)
+            return None
+        if not self.kv_cache.allocate(request, num_remote - num_hit, hits, below.host_slots):
             return None
         request.num_cached_tokens = num_hit
         block_ids = self.kv_cache.block_ids(request.request_id)
@@ -152,7 +174,8 @@ class Scheduler:
         except BaseException:
             self.kv_cache.forget(request)
             raise
-        self.stats.num_cached_tokens += num_hit
+        if pulled is None:  # a pull's own hits count once it is queued (_queue_pulled)
+            self.stats.num_cached_tokens += num_hit
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
         return descriptor
@@ -248,12 +271,15 @@ class Scheduler:
                 self._outputs.append(self._end(request, RequestStatus.FINISHED_ERROR,
                                                request.grammar.error))
                 continue
-            hits = self.kv_cache.find_cached_prefix(request)
-            below = self.kv_cache.find_tier_hit(request, hits)
+            if request.num_computed_tokens:  # a pulled prefix: its blocks are held already
+                hits, below, num_hit = [], TierHit(), request.num_computed_tokens
+            else:
+                hits = self.kv_cache.find_cached_prefix(request)
+                below = self.kv_cache.find_tier_hit(request, hits)
+                num_hit = (len(hits) + len(below.host_slots)) * self.kv_cache.block_size
             if below.promoting:  # its prefix is on its way up from disk
                 held.append(self.waiting.popleft())
                 continue
-            num_hit = (len(hits) + len(below.host_slots)) * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_hit, budget)
             if not self.kv_cache.allocate(request, num_new, hits, below.host_slots):
                 break
@@ -323,11 +349,39 @@ class Scheduler:
             return
         events = self.connector.poll()
         for request_id, why in events.failed:
-            if (request := self.requests.get(request_id)) is not None:
+            if (request := self.requests.get(request_id)) is None:
+                continue
+            if isinstance(request.kv_transfer, RemotePrefill) and request.kv_transfer.is_pull:
+                self._queue_pulled(request, why)
+            else:
                 self._outputs.append(self._end(request, RequestStatus.FINISHED_ERROR, why))
         for arrival in events.ready:
-            if arrival.request_id in self.requests:
+            if arrival.request_id not in self.requests:
+                continue
+            if arrival.first_token is None:
+                self._queue_pulled(self.requests[arrival.request_id])
+            else:
                 self._outputs.append(self._admit_remote(arrival))
+
+    def _queue_pulled(self, request: Request, failure: str | None = None) -> None:
+        """A pull ended: queue the request (first: it was admitted before those behind) for a
+        local prefill after its pulled prefix, now cached here too; after a failure, from
+        scratch, its blocks freed (whatever of the prefix landed is not trusted)."""
+        assert request.status is RequestStatus.WAITING_FOR_REMOTE_KV, request.status
+        num_pulled, num_own = request.kv_transfer.num_tokens, request.num_cached_tokens
+        request.kv_transfer, request.status = None, RequestStatus.WAITING
+        if failure is None:
+            request.num_computed_tokens = request.num_cached_tokens = num_pulled
+            self.kv_cache.cache_computed_blocks(request)
+            self.stats.num_cached_tokens += num_own
+            self.stats.num_pulled_tokens += num_pulled - num_own
+        else:
+            logger.warning("request %s: pulling %d prompt tokens failed (%s); computing them "
+                           "here", request.request_id, num_pulled - num_own, failure)
+            self.kv_cache.free(request)
+            request.num_cached_tokens = -1  # admission counts this worker's own hits anew
+            self.stats.num_failed_pull_tokens += num_pulled - num_own
+        self.waiting.appendleft(request)
 
     def _admit_remote(self, arrival: KVArrival) -> EngineCoreOutput:
         """The prompt's KV has landed: run the request from its first token on."""

@@ -60,10 +60,15 @@ class WorkerStats:
     num_kv_tier_evictions: int = 0  # left the last tier
     kv_tier_saved_s: float = 0.0  # prefill time the host hits saved (SchedulerStats)
     # What a tier hit costs here, as measured (0: not yet): seconds to load one block from
-    # host, to read one back from disk, and to prefill one token (the step-time model's slope)
+    # host, to read one back from disk, and to prefill one token (the step-time model's slope,
+    # reported with or without tiers: a prefix pull is priced against it too)
     kv_host_load_s: float = 0.0
     kv_disk_load_s: float = 0.0
     prefill_s_per_token: float = 0.0
+    # Prompt tokens pulled from another decode worker, and those whose pull failed (computed
+    # here after all): SchedulerStats
+    num_pulled_tokens: int = 0
+    num_failed_pull_tokens: int = 0
 
     @property
     def num_used_blocks(self) -> int:
@@ -94,6 +99,9 @@ class WorkerStats:
             weight_bytes=core.runner.weight_bytes,
             lora_adapters=core.runner.loras.loaded if core.runner.loras is not None else (),
             step_token_budget=scheduler.step_token_budget(),
+            prefill_s_per_token=fit.per_token_s if (fit := scheduler.step_time.fit()) else 0.0,
+            num_pulled_tokens=scheduler.stats.num_pulled_tokens,
+            num_failed_pull_tokens=scheduler.stats.num_failed_pull_tokens,
             **_tier_counts(core),
         )
 
@@ -118,6 +126,4 @@ def _tier_counts(core: EngineCore) -> dict[str, float]:
         "kv_tier_saved_s": core.scheduler.stats.tier_saved_s,
         "kv_host_load_s": core.runner.offload.host_load_s or 0.0,
         "kv_disk_load_s": core.runner.offload.disk_load_s or 0.0,
-        "prefill_s_per_token": fit.per_token_s if (fit := core.scheduler.step_time.fit())
-        else 0.0,
     }

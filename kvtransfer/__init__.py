@@ -21,6 +21,7 @@
     errors.py       TransferError + ErrorCode, raised on both ends of a failed transfer
 """
 
+from pdserve.engine.kv_connector import RemotePrefill
 from pdserve.kvtransfer.descriptor import (
     DescriptorError,
     DestinationShard,
@@ -32,7 +33,7 @@ from pdserve.kvtransfer.header import HeaderError, LayoutMismatchError, MessageH
 from pdserve.kvtransfer.layout import KVLayout, ShardRoute, reshard_routes, routes_from, routes_to
 from pdserve.kvtransfer.loopback import LoopbackHub
 from pdserve.kvtransfer.push_connector import KVPushConnector
-from pdserve.kvtransfer.receive_connector import KVReceiveConnector, RemotePrefill
+from pdserve.kvtransfer.receive_connector import KVReceiveConnector
 from pdserve.kvtransfer.receiver import KVReceiver, ReceiverEvents
 from pdserve.kvtransfer.rendezvous import GlooConnector, GlooListener
 from pdserve.kvtransfer.sender import KVSender, PushHandle, PushPlan

@@ -8,7 +8,8 @@ transfer (which cells have landed), internal to it.
     reserve(request, block_ids)   a descriptor for those blocks; every rank expects it. The
                                   first request.num_cached_tokens of them are this worker's
                                   prefix-cache hits: the descriptor's first_block skips them
-    start(request_id, token)      the first token, sampled by prefill
+    start(request_id, token)      the first token, sampled by prefill (a pull, a prefix from
+                                  another decode worker, has none: it is ready once landed)
     poll()                        ready: landed on every rank and its first token known;
                                   failed: the transfer failed, or its deadline passed first
     request_finished(request)     abort / finish: the transfer is cancelled on every rank
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from pdserve.engine.kv_connector import KVArrival, KVConnector, KVConnectorEvents
+from pdserve.engine.kv_connector import KVArrival, KVConnector, KVConnectorEvents, RemotePrefill
 from pdserve.engine.models.parallel import TensorParallel
 from pdserve.engine.plan_broadcast import Handler, publish
 from pdserve.engine.request import Request
@@ -45,24 +46,17 @@ logger = logging.getLogger(__name__)
 EXPIRED = "reservation expired before its KV and first token"
 
 
-@dataclass(frozen=True)
-class RemotePrefill:
-    """A reserved request's `kv_transfer`: who pushes its prompt KV, and by when."""
-
-    sources: tuple[Endpoint, ...]  # the prefill ranks
-    deadline: float  # time.time(): the reservation is reclaimed then
-
-
 @dataclass
 class _Incoming:
     descriptor: TransferDescriptor
+    pull: bool  # a prefix pulled from a decode worker: no first token comes
     landed: bool = False  # complete on rank 0
     first_token: int | None = None
     logprobs: TokenLogprobs | None = None
 
     @property
     def ready(self) -> bool:
-        return self.landed and self.first_token is not None
+        return self.landed and (self.pull or self.first_token is not None)
 
 
 class KVReceiveConnector(KVConnector):
@@ -104,14 +98,14 @@ class KVReceiveConnector(KVConnector):
             except BaseException:
                 self._receiver().cancel(descriptor.transfer_id, "could not tell the TP group")
                 raise
-        self._incoming[request.request_id] = _Incoming(descriptor)
+        self._incoming[request.request_id] = _Incoming(descriptor, remote.is_pull)
         return descriptor
 
     def start(self, request_id: str, first_token: int,
               logprobs: TokenLogprobs | None = None) -> None:
         """The prefill side's first token: the request runs once its KV has landed too."""
         incoming = self._incoming.get(request_id)
-        if incoming is None:
+        if incoming is None or incoming.pull:
             raise ValueError(f"request_id {request_id!r} has no reservation here")
         incoming.first_token, incoming.logprobs = first_token, logprobs
 
@@ -166,11 +160,13 @@ class KVReceiveConnector(KVConnector):
         the scheduler into num_cached_tokens): shared with other requests, so no push may
         land in them, and they are not asked for."""
         cached, block_size = max(request.num_cached_tokens, 0), self.layout.block_size
-        need = -(-request.num_prompt_tokens // block_size)
-        if num_blocks != need or cached % block_size or cached >= request.num_prompt_tokens:
+        num_tokens = request.kv_transfer.num_tokens or request.num_prompt_tokens
+        need = -(-num_tokens // block_size)
+        if num_blocks != need or cached % block_size or cached >= num_tokens:
             raise ValueError(f"{request.request_id}: {num_blocks} blocks with {cached} cached "
-                             f"tokens don't hold a {request.num_prompt_tokens}-token prompt "
-                             f"(want {need} blocks and fewer cached tokens, whole blocks)")
+                             f"tokens don't hold the {num_tokens} tokens that come from "
+                             f"elsewhere (want {need} blocks and fewer cached tokens, whole "
+                             "blocks)")
         return cached // block_size
 
     def _landed_or_failed(self) -> dict[str, str]:

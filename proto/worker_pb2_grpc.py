@@ -209,6 +209,11 @@ class DecodeWorkerStub:
                 request_serializer=pdserve_dot_proto_dot_worker__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=pdserve_dot_proto_dot_worker__pb2.SubmitResponse.FromString,
                 _registered_method=True)
+        self.PushPrefix = channel.unary_unary(
+                '/pdserve.worker.v1.DecodeWorker/PushPrefix',
+                request_serializer=pdserve_dot_proto_dot_worker__pb2.PushPrefixRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_worker__pb2.PushPrefixResponse.FromString,
+                _registered_method=True)
         self.Outputs = channel.unary_stream(
                 '/pdserve.worker.v1.DecodeWorker/Outputs',
                 request_serializer=pdserve_dot_proto_dot_worker__pb2.OutputsRequest.SerializeToString,
@@ -244,7 +249,16 @@ class DecodeWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Submit(self, request, context):
-        """Prefill here instead (the prompt is mostly in this worker's prefix cache).
+        """Prefill here instead (the prompt is mostly in this worker's prefix cache, or its prefix is
+        pulled first from another decode worker that holds it: SubmitRequest.pull_sources).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushPrefix(self, request, context):
+        """Push prefix blocks this worker's prefix cache holds into another decode worker's blocks
+        (the descriptor that worker's Submit answered); answers once every byte has left.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -287,6 +301,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=pdserve_dot_proto_dot_worker__pb2.SubmitRequest.FromString,
                     response_serializer=pdserve_dot_proto_dot_worker__pb2.SubmitResponse.SerializeToString,
+            ),
+            'PushPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushPrefix,
+                    request_deserializer=pdserve_dot_proto_dot_worker__pb2.PushPrefixRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_worker__pb2.PushPrefixResponse.SerializeToString,
             ),
             'Outputs': grpc.unary_stream_rpc_method_handler(
                     servicer.Outputs,
@@ -385,6 +404,33 @@ class DecodeWorker:
             '/pdserve.worker.v1.DecodeWorker/Submit',
             pdserve_dot_proto_dot_worker__pb2.SubmitRequest.SerializeToString,
             pdserve_dot_proto_dot_worker__pb2.SubmitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.DecodeWorker/PushPrefix',
+            pdserve_dot_proto_dot_worker__pb2.PushPrefixRequest.SerializeToString,
+            pdserve_dot_proto_dot_worker__pb2.PushPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,

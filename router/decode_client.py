@@ -98,9 +98,18 @@ class DecodeClient(WorkerClient):
     async def start_request(self, request: worker_pb2.StartRequest) -> None:
         await self._call(self._stub.Start, request)
 
-    async def submit(self, request: worker_pb2.SubmitRequest) -> bool:
+    async def submit(self, request: worker_pb2.SubmitRequest) -> worker_pb2.SubmitResponse:
         request.router_id = self.router_id
-        return (await self._call(self._stub.Submit, request)).granted
+        return await self._call(self._stub.Submit, request)
+
+    async def push_prefix(self, request: worker_pb2.PushPrefixRequest,
+                          timeout: float) -> worker_pb2.PushPrefixResponse:
+        """Have this worker push a prefix it caches to another one (a pull); `error(exc)`'s
+        exceptions when it fails (ReservationLost: it no longer holds that prefix)."""
+        try:
+            return await self._stub.PushPrefix(request, timeout=timeout, metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise self.error(exc) from None
 
     async def abort(self, request_id: str) -> bool:
         try:

@@ -54,6 +54,7 @@ REQUEST_STATUSES: tuple[str, ...] = (
 )
 
 MIGRATION_OUTCOMES: tuple[str, ...] = ("ok", "failed")
+PULL_RESULTS: tuple[str, ...] = ("pulled", "held", "missed", "failed")
 
 
 def _check_non_negative(**values: float) -> None:
@@ -133,6 +134,18 @@ class RouterMetrics:
             "Prompt tokens found in a prefix cache.",
             registry=reg,
         )
+        self.pulls = Counter(
+            "pdserve_kv_pulls", "Session prefixes a decode worker was asked to pull from the one "
+            "holding them, by result (pulled; held: it had them already; missed: the holder no "
+            "longer did; failed: the push failed; the last two were computed instead).",
+            ["result"], registry=reg)
+        for result in PULL_RESULTS:
+            self.pulls.labels(result)
+        self.pull_bytes = Counter(
+            "pdserve_kv_pull_bytes", "KV cache bytes pulled decode->decode.", registry=reg)
+        self.pull_saved_seconds = Counter(
+            "pdserve_kv_pull_saved_seconds", "Prefill time pulled prefixes saved: their tokens at "
+            "the measured prefill rate, less the pulls' own time.", registry=reg)
         self.migrations = Counter(
             "pdserve_router_migrations", "Requests moved to another decode worker after theirs "
             "died mid-stream, by outcome (failed: no decode worker could take it).",
@@ -212,6 +225,16 @@ class RouterMetrics:
         if status not in REQUEST_STATUSES:
             raise ValueError(f"status must be one of {REQUEST_STATUSES}, got {status!r}")
         self.requests.labels(status).inc()
+
+    def count_pull(self, result: str, num_bytes: int = 0, saved_s: float = 0.0) -> None:
+        """One prefix pull and how it ended; a landed one's bytes and the prefill time it saved
+        (never below nothing)."""
+        if result not in PULL_RESULTS:
+            raise ValueError(f"result must be one of {PULL_RESULTS}, got {result!r}")
+        _check_non_negative(num_bytes=num_bytes)
+        self.pulls.labels(result).inc()
+        self.pull_bytes.inc(num_bytes)
+        self.pull_saved_seconds.inc(max(saved_s, 0.0))
 
     def count_migration(self, outcome: str) -> None:
         if outcome not in MIGRATION_OUTCOMES:

@@ -5,7 +5,9 @@ counts, since it started and in blocks, its tier hits, the blocks written throug
 (stores), demoted to disk, promoted back, whose disk file failed its read, and that left the
 last tier; it also reports the blocks each tier holds now. Every worker, tiers or not, counts
 the tokens its engine ran through the model: what prefix-cache and tier hits save shows there
-(a benchmark sums its increase over the prefill workers: prefill tokens computed).
+(a benchmark sums its increase over the prefill workers: prefill tokens computed), and the
+prompt tokens it pulled from another decode worker's prefix cache, or whose pull failed (then
+computed there): the remote tier, seen from the puller.
 
 The router reads them with its load (proto/worker.proto WorkerLoad) and exports each worker's
 as one series (label `worker`; the hit counts and the gauge also `tier`), like the speculative
@@ -52,11 +54,17 @@ SAVED_SECONDS_HELP = ("Prefill time a worker's KV tier hits saved: their tokens 
                       "measured prefill rate when they were loaded.")
 COMPUTED_TOKENS = "pdserve_worker_computed_tokens"
 COMPUTED_TOKENS_HELP = "Tokens a worker's engine ran through the model (prompts and decodes)."
+PULLED_TOKENS = {
+    "pdserve_worker_pulled_tokens": "Prompt tokens a decode worker pulled from another decode "
+                                    "worker's prefix cache instead of computing them.",
+    "pdserve_worker_failed_pull_tokens": "Prompt tokens whose pull from another decode worker "
+                                         "failed or came too late: computed after all.",
+}
 TIER_BLOCKS = "pdserve_kv_tier_blocks"
 TIER_BLOCKS_HELP = "KV blocks a worker's tier holds now."
 # the counters a worker keeps and every router copies (metrics_merge.WORKER_COUNTERS)
 WORKER_COUNTER_NAMES: frozenset[str] = frozenset(
-    {*HIT_COUNTERS, *TIER_COUNTERS, COMPUTED_TOKENS, SAVED_SECONDS})
+    {*HIT_COUNTERS, *TIER_COUNTERS, COMPUTED_TOKENS, SAVED_SECONDS, *PULLED_TOKENS})
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,7 @@ class _Counts:
     """One load report's numbers (the message itself may be replaced under us)."""
 
     num_computed_tokens: int
+    pulled_tokens: tuple[int, int]  # pulled, failed: PULLED_TOKENS' order
     block_bytes: int  # 0: no tiers
     hits: tuple[int, int]  # host, disk
     blocks: tuple[int, int]  # held now: host, disk
@@ -73,7 +82,8 @@ class _Counts:
 
     @classmethod
     def of(cls, load: worker_pb2.WorkerLoad) -> _Counts:
-        return cls(load.num_computed_tokens, load.kv_block_bytes,
+        return cls(load.num_computed_tokens,
+                   (load.num_pulled_tokens, load.num_failed_pull_tokens), load.kv_block_bytes,
                    (load.num_kv_host_hits, load.num_kv_disk_hits),
                    (load.num_kv_host_blocks, load.num_kv_disk_blocks),
                    (load.num_kv_stores, load.num_kv_demotions, load.num_kv_promotions,
@@ -105,6 +115,11 @@ class KVTierMetrics:
         for worker_id, c in counts:
             computed.add_metric([worker_id], c.num_computed_tokens)
         yield computed
+        for i, (name, help_text) in enumerate(PULLED_TOKENS.items()):
+            family = CounterMetricFamily(name, help_text, labels=["worker"])
+            for worker_id, c in counts:
+                family.add_metric([worker_id], c.pulled_tokens[i])
+            yield family
         tiered = [(worker_id, c) for worker_id, c in counts if c.block_bytes > 0]
         yield from _tier_families(tiered)
 

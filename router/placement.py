@@ -2,7 +2,10 @@
 
 Pick a decode worker (session affinity, KV headroom) -> either let it prefill a mostly-cached
 prompt itself, or reserve its blocks, prefill on the chosen prefill worker (queue length,
-Redis prefix hits), which pushes the KV there, and start decode with the first token. The
+Redis prefix hits), which pushes the KV there, and start decode with the first token. A
+session turn that lands on another decode worker than its last one's may have that worker pull
+the prefix the last one still caches (router.prefix_pulls: when the pull, at its measured
+cost, beats recomputing it), then prefill the rest itself. The
 choices are `policy`'s pure functions; the placer applies them. A decode worker that refuses
 (or answers too late) is skipped, with backoff while every one is full, until the KV transfer
 deadline. An attempt that fails for a reason another attempt may not meet (a prefill worker
@@ -38,6 +41,7 @@ from pdserve.router.policy import (
     priced_hit_tokens,
     shared_prefix_len,
 )
+from pdserve.router.prefix_pulls import PrefixPulls
 from pdserve.router.store import RedisStore, Session
 from pdserve.router.validation import InvalidArgument, ValidRequest
 from pdserve.router.workers import (
@@ -92,6 +96,7 @@ class Placer:
                  decode: Mapping[str, DecodeClient]) -> None:
         self.config, self.metrics, self.store = config, metrics, store
         self.prefill, self.decode = prefill, decode
+        self.pulls = PrefixPulls(config, metrics, prefill, decode)
 
     async def place(self, req: ValidRequest, flight: Flight,
                     avoid: frozenset[str] = frozenset()) -> Placement:
@@ -161,15 +166,25 @@ class Placer:
         decode, rid = placement.decode, flight.worker_request_id
         sampling = sampling_to_proto(req.params)
         prompt = list(req.prompt_token_ids)
+        pull = None
         if session is not None and session.decode_worker == decode.worker_id:
             placement.session_hit = shared_prefix_len(session.token_ids, prompt)
-        if self.config.colocated or placement.session_hit and prefill_locally(
-                len(prompt), placement.session_hit, self.config.max_local_prefill_tokens):
-            granted = await decode.submit(worker_pb2.SubmitRequest(
+        elif session is not None:
+            pull = self.pulls.choose(req, session, decode, deadline)
+        local = placement.session_hit or (pull.num_tokens if pull else 0)
+        if self.config.colocated or local and prefill_locally(
+                len(prompt), local, self.config.max_local_prefill_tokens):
+            submit = worker_pb2.SubmitRequest(
                 request_id=rid, prompt_token_ids=prompt, sampling=sampling,
-                num_output_tokens=req.num_output_tokens, lora=lora_to_proto(req.lora)))
+                num_output_tokens=req.num_output_tokens, lora=lora_to_proto(req.lora))
+            if pull is not None:
+                submit.pull_sources.append(pull.source)
+                submit.num_pull_tokens, submit.pull_deadline = pull.num_tokens, pull.deadline
+            reply = await decode.submit(submit)
             _check(flight)
-            return granted
+            if reply.granted and pull is not None:
+                await self.pulls.run(req, rid, pull, reply.pull_descriptor)
+            return reply.granted
         try:
             prefill, hits = await self.choose_prefill(prompt, lost_prefill, req.lora)
         except WorkerLost:  # nothing of this attempt reached the decode worker: nothing to free

@@ -139,6 +139,34 @@ def priced_hit_tokens(hits: TierHits, costs: TierCosts, block_size: int) -> int:
     return round(blocks * block_size)
 
 
+@dataclass(frozen=True)
+class PullCosts:
+    """Pulling a prefix from the decode worker that holds it, against recomputing it (None:
+    not measured yet)."""
+
+    pull_s_per_block: float | None = None  # the router's measured prefix pulls
+    prefill_s_per_token: float | None = None  # where it would be recomputed
+
+
+def pull_tokens(num_prompt_tokens: int, num_held_tokens: int, block_size: int,
+                costs: PullCosts) -> int:
+    """The prompt's leading tokens to pull from another decode worker that holds its first
+    `num_held_tokens`: whole blocks, never the prompt's last token (its logits are computed);
+    0 when pulling them would take longer than recomputing them, at the measured costs.
+    Until both costs are measured a pull is tried: measuring one is what prices the next."""
+    if num_prompt_tokens < 0 or num_held_tokens < 0 or block_size <= 0:
+        raise ValueError(f"counts must be >= 0 and block_size > 0, got {num_prompt_tokens}, "
+                         f"{num_held_tokens}, {block_size}")
+    num_blocks = min(num_held_tokens, num_prompt_tokens - 1) // block_size
+    if num_blocks <= 0:
+        return 0
+    num_tokens = num_blocks * block_size
+    if costs.pull_s_per_block is None or costs.prefill_s_per_token is None:
+        return num_tokens
+    pays = num_blocks * costs.pull_s_per_block < num_tokens * costs.prefill_s_per_token
+    return num_tokens if pays else 0
+
+
 def prefill_work(worker: PrefillLoad, req: RoutingInfo) -> int:
     """Estimated tokens this worker must compute before it finishes `req`: its queued uncached
     tokens plus the part of this prompt it does not already hold in its prefix cache."""

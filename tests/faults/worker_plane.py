@@ -19,7 +19,7 @@ import grpc
 import torch.distributed as dist
 
 from pdserve.cluster_secret import ClusterSecret
-from pdserve.decode_worker.actor import tp_group
+from pdserve.decode_worker.actor import pull_transport, tp_group
 from pdserve.decode_worker.group import start_decode_rank
 from pdserve.decode_worker.service import DecodeService
 from pdserve.engine.models.parallel import TensorParallel
@@ -54,7 +54,8 @@ def start_decode(spec: WorkerSpec, secret: ClusterSecret) -> DecodeService:
     listener = GlooListener(spec.host, secret=secret)
     worker = start_decode_rank(spec.engine_config(), TensorParallel(), listener,
                                [listener.endpoint], spec.model_name,
-                               max_reservation_s=spec.max_reservation_s, tp_beat_s=spec.tp_beat_s)
+                               max_reservation_s=spec.max_reservation_s, tp_beat_s=spec.tp_beat_s,
+                               transport=pull_transport(spec, secret, [listener.endpoint], 1))
     return DecodeService(worker, spec.worker_id, spec.host, secret,
                          stall_timeout_s=spec.stall_timeout_s)
 

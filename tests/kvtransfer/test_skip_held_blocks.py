@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from pdserve.engine.kv_connector import RemotePrefill
 from pdserve.engine.models.parallel import TensorParallel
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
@@ -22,7 +23,7 @@ from pdserve.kvtransfer import KVReceiver, LoopbackHub, TransferError
 from pdserve.kvtransfer.descriptor import MAX_BLOCKS, DescriptorError, TransferDescriptor
 from pdserve.kvtransfer.header import TransferSlice
 from pdserve.kvtransfer.push_connector import KVPushConnector
-from pdserve.kvtransfer.receive_connector import KVReceiveConnector, RemotePrefill
+from pdserve.kvtransfer.receive_connector import KVReceiveConnector
 from pdserve.kvtransfer.sender import PushPlan
 from tests.kvtransfer.kvdata import SECRET, TINY, endpoints, full_caches, zero_caches
 

@@ -1,8 +1,10 @@
-"""The workers' KV tier counts and computed tokens as the router exports them: one series per
-worker (and tier), set from its load reports, gone when it leaves, and never summed over
-router processes."""
+"""The workers' KV tier counts, computed and pulled tokens as the router exports them: one
+series per worker (and tier), set from its load reports, gone when it leaves, and never summed
+over router processes; and the router's own prefix pull counts."""
 
 from __future__ import annotations
+
+import pytest
 
 from pdserve.proto import worker_pb2
 from pdserve.router.metrics import RouterMetrics
@@ -22,6 +24,8 @@ PER_WORKER = {
     "pdserve_kv_tier_evictions_total": "num_kv_tier_evictions",
     COMPUTED: "num_computed_tokens",
     "pdserve_kv_tier_saved_seconds_total": "kv_tier_saved_s",
+    "pdserve_worker_pulled_tokens_total": "num_pulled_tokens",
+    "pdserve_worker_failed_pull_tokens_total": "num_failed_pull_tokens",
 }
 
 
@@ -33,7 +37,8 @@ def tiered_load(scale: int = 1, block_bytes: int = 1000) -> worker_pb2.WorkerLoa
         num_kv_host_hits=11 * scale, num_kv_disk_hits=7 * scale, num_kv_stores=13 * scale,
         num_kv_demotions=5 * scale, num_kv_promotions=6 * scale,
         num_kv_failed_promotions=2 * scale, num_kv_tier_evictions=9 * scale,
-        kv_tier_saved_s=1.5 * scale)
+        kv_tier_saved_s=1.5 * scale, num_pulled_tokens=17 * scale,
+        num_failed_pull_tokens=3 * scale)
 
 
 def test_router_exports_each_workers_tier_counts() -> None:
@@ -56,13 +61,15 @@ def test_router_exports_each_workers_tier_counts() -> None:
         assert sample_value(text, name, worker) == getattr(load, field), name
 
 
-def test_a_worker_without_tiers_exports_only_its_computed_tokens() -> None:
+def test_a_worker_without_tiers_exports_only_its_computed_and_pulled_tokens() -> None:
     m = RouterMetrics()
-    m.kv_tiers.set("decode-0", worker_pb2.WorkerLoad(num_computed_tokens=77))
+    m.kv_tiers.set("decode-0", worker_pb2.WorkerLoad(num_computed_tokens=77,
+                                                     num_pulled_tokens=64))
     m.kv_tiers.set("prefill-0", tiered_load())
     text = m.render().decode()
     assert sample_value(text, COMPUTED, {"worker": "decode-0"}) == 77
     assert sample_value(text, COMPUTED) == 5077
+    assert sample_value(text, "pdserve_worker_pulled_tokens_total", {"worker": "decode-0"}) == 64
     tier_lines = [line for line in text.splitlines()
                   if line.startswith("pdserve_kv_tier_") and 'worker="decode-0"' in line]
     assert tier_lines == []
@@ -96,3 +103,20 @@ def test_router_processes_show_worker_counts_once() -> None:
     for name in PER_WORKER:
         assert sample_value(merged, name) == getattr(tiered_load(), PER_WORKER[name]), name
     assert sample_value(merged, "pdserve_requests_total", {"status": "ok"}) == 2  # summed
+
+
+def test_router_counts_prefix_pulls_by_result() -> None:
+    m = RouterMetrics()
+    text = m.render().decode()
+    for result in ("pulled", "held", "missed", "failed"):  # zeros from the first scrape
+        assert sample_value(text, "pdserve_kv_pulls_total", {"result": result}) == 0
+    m.count_pull("pulled", 4096, saved_s=0.25)
+    m.count_pull("pulled", 1024, saved_s=-0.5)  # slower than recomputing: saved nothing
+    m.count_pull("missed")
+    text = m.render().decode()
+    assert sample_value(text, "pdserve_kv_pulls_total", {"result": "pulled"}) == 2
+    assert sample_value(text, "pdserve_kv_pulls_total", {"result": "missed"}) == 1
+    assert sample_value(text, "pdserve_kv_pull_bytes_total") == 5120
+    assert sample_value(text, "pdserve_kv_pull_saved_seconds_total") == 0.25
+    with pytest.raises(ValueError, match="result must be one of"):
+        m.count_pull("lost")

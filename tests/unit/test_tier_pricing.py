@@ -1,5 +1,6 @@
 """The router's price of a prefix hit in a worker's KV tiers: which tier each leading block
-counts in, and what a hit there saves at the worker's measured costs."""
+counts in, and what a hit there saves at the worker's measured costs; and of the remote tier,
+a prefix another decode worker holds: pulled or recomputed."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import pytest
 from pdserve.router.policy import (
     UNMEASURED_HIT_SHARE,
     PrefillLoad,
+    PullCosts,
     RoutingInfo,
     TierCosts,
     TierHits,
     choose_prefill,
     leading_tier_hits,
     priced_hit_tokens,
+    pull_tokens,
 )
 
 BS = 16
@@ -72,3 +75,45 @@ def test_placement_prefers_the_worker_whose_cheap_tier_holds_the_prefix():
     busy = [PrefillLoad("p-host", 2, 150), PrefillLoad("p-disk", 0, 0),
             PrefillLoad("p-none", 0, 0)]  # its queue outweighs the host hit: disk's still helps
     assert choose_prefill(busy, RoutingInfo(200, 0, prefix_hits=hits)) == "p-disk"
+
+
+@pytest.mark.parametrize("prompt, held, expected", [
+    (100, 64, 64),  # whole blocks the holder has
+    (100, 70, 64),  # a partial block is not pulled
+    (64, 64, 48),  # never the prompt's last token: its logits are computed here
+    (65, 64, 64),
+    (100, 15, 0),  # less than a block
+    (100, 0, 0),
+    (10, 200, 0),  # a prompt shorter than a block
+    (1000, 200, 192),  # the holder's history ends before the prompt does
+])
+def test_a_pull_takes_the_held_whole_blocks_before_the_last_token(prompt, held, expected):
+    assert pull_tokens(prompt, held, BS, PullCosts()) == expected
+
+
+@pytest.mark.parametrize("costs", [
+    PullCosts(),
+    PullCosts(pull_s_per_block=1.0),  # the recompute rate unknown
+    PullCosts(prefill_s_per_token=1e-6),  # no pull measured yet
+])
+def test_an_unmeasured_pull_is_tried(costs):
+    assert pull_tokens(100, 64, BS, costs) == 64
+
+
+@pytest.mark.parametrize("per_block, per_token, pulls", [
+    (0.010, 0.001, True),  # 10 ms a block against 16 ms to recompute one
+    (0.020, 0.001, False),  # 20 ms against 16 ms
+    (1 / 64, 1 / 1024, False),  # a tie (exact in binary) recomputes: no transfer for nothing
+    (0.0, 0.001, True),
+])
+def test_a_measured_pull_is_taken_only_when_cheaper_than_recomputing(per_block, per_token,
+                                                                     pulls):
+    costs = PullCosts(pull_s_per_block=per_block, prefill_s_per_token=per_token)
+    assert pull_tokens(100, 64, BS, costs) == (64 if pulls else 0)
+
+
+def test_pull_counts_are_checked():
+    with pytest.raises(ValueError, match="block_size"):
+        pull_tokens(100, 64, 0, PullCosts())
+    with pytest.raises(ValueError, match="counts"):
+        pull_tokens(-1, 64, BS, PullCosts())

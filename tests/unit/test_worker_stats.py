@@ -1,5 +1,6 @@
-"""WorkerStats, a worker's load: its KV tier counts read from the engine (0 without tiers), and
-both roles' gRPC services putting them, and the tokens computed, into WorkerLoad."""
+"""WorkerStats, a worker's load: its KV tier counts read from the engine (0 without tiers, but
+for its measured prefill rate), its pulled tokens, and both roles' gRPC services putting them,
+and the tokens computed, into WorkerLoad."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_tiers import KVTiers, TierResults, TierStats
 from pdserve.engine.step_budget import StepFit
 from pdserve.engine.worker_stats import KV_TIER_FIELDS, WorkerStats
+from pdserve.kvtransfer.descriptor import Endpoint
 from pdserve.prefill_worker.service import PrefillServicer
+from pdserve.proto import worker_pb2
 
 BS = 4
 BLOCK_NBYTES = 4096
@@ -21,7 +24,8 @@ BLOCK_NBYTES = 4096
 def fake_core(tiers: KVTiers | None, pool: BlockPool) -> SimpleNamespace:
     """What WorkerStats.from_core reads of an EngineCore, no model behind it."""
     stats = SimpleNamespace(num_computed_tokens=1234, num_spec_verifications=0,
-                            num_draft_tokens=0, num_accepted_tokens=0, tier_saved_s=2.5)
+                            num_draft_tokens=0, num_accepted_tokens=0, tier_saved_s=2.5,
+                            num_pulled_tokens=48, num_failed_pull_tokens=16)
     scheduler = SimpleNamespace(running=[], waiting=[], stats=stats,
                                 step_token_budget=lambda: 512,
                                 step_time=SimpleNamespace(fit=lambda: StepFit(0.01, 0.0002)))
@@ -71,8 +75,11 @@ def test_from_core_reports_the_tiers() -> None:
 
 def test_from_core_reports_zeros_without_tiers() -> None:
     s = WorkerStats.from_core(fake_core(None, BlockPool(16)))
-    assert s.kv_tier_counts() == dict.fromkeys(KV_TIER_FIELDS, 0)
+    # the prefill rate prices a prefix pull too: measured with or without tiers
+    assert s.kv_tier_counts() == dict.fromkeys(KV_TIER_FIELDS, 0) | {
+        "prefill_s_per_token": 0.0002}
     assert s.num_computed_tokens == 1234 and s.num_blocks == 16
+    assert (s.num_pulled_tokens, s.num_failed_pull_tokens) == (48, 16)
 
 
 def _stats() -> WorkerStats:
@@ -81,11 +88,15 @@ def _stats() -> WorkerStats:
     return WorkerStats(num_blocks=64, num_free_blocks=60, num_cached_blocks=3, num_running=1,
                        num_waiting=0, num_reserved=0, num_computed_tokens=5000, max_num_seqs=8,
                        block_size=BS, tp_size=1, num_spec_verifications=0, num_draft_tokens=0,
-                       num_accepted_tokens=0, **tiers)
+                       num_accepted_tokens=0, num_pulled_tokens=90, num_failed_pull_tokens=91,
+                       **tiers)
 
 
 def _load_fields(load) -> dict[str, int]:
     return {name: getattr(load, name) for name in ("num_computed_tokens", *KV_TIER_FIELDS)}
+
+
+PULLED = ("num_pulled_tokens", "num_failed_pull_tokens")
 
 
 def test_both_services_put_the_counts_into_their_load() -> None:
@@ -97,7 +108,14 @@ def test_both_services_put_the_counts_into_their_load() -> None:
     assert _load_fields(prefill.GetLoad(None, None)) == expected
     decode = DecodeServicer.__new__(DecodeServicer)  # no output fan-out thread: GetLoad only
     decode.worker, decode.worker_id = worker, "decode-0"
-    assert _load_fields(decode.GetLoad(None, None)) == expected
+    worker.pusher = None  # serves no pulls
+    load = decode.GetLoad(None, None)
+    assert _load_fields(load) == expected
+    assert [getattr(load, name) for name in PULLED] == [90, 91]
+    assert not load.HasField("kv_source")
+    worker.pusher = SimpleNamespace(source=Endpoint("10.0.0.7", 4321, 0))
+    assert decode.GetLoad(None, None).kv_source == worker_pb2.Endpoint(
+        host="10.0.0.7", port=4321, rank=0)
 
 
 def test_tier_stats_fields_are_all_reported() -> None:
