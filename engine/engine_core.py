@@ -137,7 +137,11 @@ class EngineCore:
             self._grammars.close()
 
     def _execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        # An empty plan (only reserved requests, waiting for KV) is not worth a broadcast.
-        if self.tp.size > 1 and (plan.requests or plan.finished_request_ids):
+        # An empty plan (only reserved requests, waiting for KV) is not worth a broadcast; one
+        # with KV tier copies, or while copies are outstanding, is: every rank copies its
+        # shard, and they agree on which copies landed (engine.kv_offload)
+        offload = self.runner.offload
+        if self.tp.size > 1 and (plan.requests or plan.finished_request_ids or plan.kv_tiers
+                                 or offload is not None and offload.busy):
             publish_plan(self.tp, plan)
         return self.runner.execute(plan)

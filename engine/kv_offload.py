@@ -13,6 +13,14 @@ by (on CUDA the loads' time is their launch's). `results()` reports
 the copies finished since the last call; with `wait` it waits for all of them (a step with
 nothing else to do). On CUDA the copy thread uses its own stream and waits for the loads'
 event before touching a slot.
+
+On a tensor-parallel group every rank runs the same ops on its own KV-head shard, each on its
+own thread, so a copy may have landed on one rank and not yet on another. With `agree` (the
+group's host all-reduce, a sum) `results()` reports an op only once every rank has finished it,
+and as failed if it failed on any: the ranks sum, per op still outstanding, whether it finished
+and whether it failed. Every rank issues the same batches in the same order and drops the
+same agreed ones, so the outstanding ops, and the collective's length, match; the caller calls
+`results()` on every rank at the same step whenever `busy`.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, fields
@@ -43,6 +51,8 @@ def layout_id(description: dict[str, Any]) -> bytes:
 
 
 _KINDS = tuple(f.name for f in fields(TierResults))
+FAILED_KIND = {"stored": "failed_stores", "demoted": "failed_demotions",
+               "promoted": "failed_promotions"}
 
 
 @dataclass
@@ -57,9 +67,11 @@ class KVOffload:
     def __init__(
         self, kv_caches: Sequence[tuple[torch.Tensor, ...]], host_bytes: int,
         disk_path: str | None = None, disk_bytes: int = 0, layout: dict[str, Any] | None = None,
+        agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         """`kv_caches`: per layer the cache tensors, blocks first (`[num_blocks, ...]`);
-        `layout`: what this rank's block bytes mean (the disk files' layout id)."""
+        `layout`: what this rank's block bytes mean (the disk files' layout id); `agree`: a
+        tensor-parallel group's host all-reduce (sum), None for a single rank."""
         self._parts = [t for layer in kv_caches for t in layer]
         self._cuda = self._parts[0].device.type == "cuda"
         self._sizes = [t[0].numel() * t.element_size() for t in self._parts]
@@ -85,7 +97,10 @@ class KVOffload:
                                  f"{self.disk.file_nbytes} bytes; raise it")
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kv-offload")
         self._stream = torch.cuda.Stream(self._parts[0].device) if self._cuda else None
-        self._running: list[Future] = []
+        # batches on the copy thread, in issue order, with their number of ops
+        self._running: list[tuple[Future, int]] = []
+        self._finished: list[list[_Done]] = []  # ... done here, not yet agreed by every rank
+        self._agree = agree
         self.host_load_s: float | None = None
         self.disk_load_s: float | None = None
         logger.info("KV tiers: host %d blocks (%.1f MiB)%s", self.num_host_slots,
@@ -107,15 +122,49 @@ class KVOffload:
                 loaded = torch.cuda.Event()
                 loaded.record()
             if ops.demotions or ops.stores or ops.promotions or ops.deletes:
-                self._running.append(self._thread.submit(self._run, ops, loaded))
+                num_ops = len(ops.demotions) + len(ops.stores) + len(ops.promotions)
+                self._running.append((self._thread.submit(self._run, ops, loaded), num_ops))
+
+    @property
+    def busy(self) -> bool:
+        """Copies issued and not yet reported (a TP group's ranks agree on this)."""
+        return bool(self._running or self._finished)
 
     def results(self, wait: bool = False) -> TierResults:
-        """Copies that finished since the last call (all of them, with `wait`)."""
-        done: list[_Done] = []
-        while self._running and (wait or self._running[0].done()):
-            done += self._running.pop(0).result()
+        """Copies that finished since the last call (all of them, with `wait`); on a TP
+        group, those finished on every rank."""
+        while self._running and (wait or self._running[0][0].done()):
+            self._finished.append(self._running.pop(0)[0].result())
+        if self._agree is None:
+            done, self._finished = [d for batch in self._finished for d in batch], []
+        else:
+            done = self._agreed()
         return TierResults(**{kind: tuple(d.key for d in done if d.kind == kind)
                               for kind in _KINDS})
+
+    def _agreed(self) -> list[_Done]:
+        """The outstanding ops every rank has finished (a leading run of batches: each rank's
+        thread finishes them in order), failed where any rank failed one."""
+        if not self.busy:
+            return []
+        sizes = [len(b) for b in self._finished] + [n for _, n in self._running]
+        ops = [d for batch in self._finished for d in batch]
+        n, k = sum(sizes), len(ops)
+        # summed over the ranks: [the group's size, per op whether it finished, per op whether
+        # it failed]; this rank finished the first k
+        mine = torch.zeros(1 + 2 * n, dtype=torch.int64)
+        mine[0], mine[1:1 + k] = 1, 1
+        mine[1 + n:1 + n + k] = torch.tensor([d.kind.startswith("failed") for d in ops])
+        counts = self._agree(mine).tolist()
+        finished, failed_by = counts[1:1 + n], counts[1 + n:]
+        agreed, start = [], 0
+        for size in sizes[:len(self._finished)]:
+            if any(c < counts[0] for c in finished[start:start + size]):
+                break  # not finished on every rank yet
+            agreed += [_Done(FAILED_KIND.get(d.kind, d.kind) if f else d.kind, d.key)
+                       for d, f in zip(self._finished.pop(0), failed_by[start:start + size])]
+            start += size
+        return agreed
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)

@@ -104,9 +104,6 @@ class ModelRunner:
         cache, model = self.config.cache, self.config.model
         if not cache.tiered:
             return None
-        if self.tp.size > 1:
-            raise ValueError("kv_host_bytes: the KV tiers serve single-rank engines for now; "
-                             "use tensor_parallel_size 1 or no tiers")
         layout = {"model": str(model.path), "architecture": model.architecture,
                   "dtype": model.dtype, "cache_dtype": cache.cache_dtype,
                   "quantization": model.quantization.method if model.quantization else None,
@@ -114,7 +111,8 @@ class ModelRunner:
                       [str(t.dtype), *t.shape[1:]] for t in self.kv_caches[0]],
                   "num_layers": len(self.kv_caches), "tp": [self.tp.rank, self.tp.size]}
         return KVOffload(self.kv_caches, cache.kv_host_bytes, cache.kv_disk_path,
-                         cache.kv_disk_bytes, layout)
+                         cache.kv_disk_bytes, layout,
+                         self.tp.all_reduce_host if self.tp.size > 1 else None)
 
     def _graph_mode(self) -> str | None:
         """The config's CUDA graph mode, but eager where a capture could not hold the TP

@@ -4,8 +4,9 @@ Messages travel as JSON bytes over the TP group's broadcast (no pickle): a lengt
 bytes, both CPU tensors, so they ride the group's gloo side even on CUDA, where NCCL carries
 only the model's tensors (TensorParallel.broadcast): no host-device copy per message, and a
 follower's wait for the next message is a host wait bounded by the group's timeout. A
-message is a kind and a body: "plan" (the step to execute), "stop", "idle", or a kind the
-follower's owner handles (e.g. the decode worker's "expect" / "admit" / "cancel").
+message is a kind and a body: "plan" (the step to execute, its KV tier copies included),
+"stop", "idle", or a kind the follower's owner handles (e.g. the decode worker's "expect" /
+"admit" / "cancel").
 
 Every collective of the group has a bounded timeout (so a hung rank fails the step rather
 than wedging the group forever). A follower spends rank 0's idle time blocked in the next
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pdserve.engine.kv_tiers import TierOps
 from pdserve.engine.lora_request import LoRARequest
 from pdserve.engine.models.parallel import TensorParallel
 from pdserve.engine.sampling_params import SamplingParams
@@ -54,7 +56,15 @@ def encode_plan(plan: SchedulerOutput) -> dict[str, Any]:
         }
         for e in plan.requests
     ]
-    return {"requests": requests, "finished": list(plan.finished_request_ids)}
+    ops = plan.kv_tiers
+    tiers = {
+        "loads": [list(x) for x in ops.loads],
+        "demotions": [[slot, h.hex(), list(tokens)] for slot, h, tokens in ops.demotions],
+        "stores": [list(x) for x in ops.stores],
+        "promotions": [[h.hex(), list(tokens), slot] for h, tokens, slot in ops.promotions],
+        "deletes": [h.hex() for h in ops.deletes],
+    } if ops else None
+    return {"requests": requests, "finished": list(plan.finished_request_ids), "tiers": tiers}
 
 
 def _follower_params(params: SamplingParams | None) -> dict[str, Any] | None:
@@ -82,7 +92,26 @@ def decode_plan(body: dict[str, Any]) -> SchedulerOutput:
         )
         for r in body["requests"]
     )
-    return SchedulerOutput(requests, tuple(str(i) for i in body["finished"]))
+    return SchedulerOutput(requests, tuple(str(i) for i in body["finished"]),
+                           _tier_ops(body.get("tiers")))
+
+
+def _tier_ops(body: dict[str, Any] | None) -> TierOps:
+    if not body:
+        return TierOps()
+
+    def ints(xs) -> tuple[int, ...]:
+        return tuple(int(x) for x in xs)
+
+    return TierOps(
+        loads=tuple(ints(x) for x in body["loads"]),
+        demotions=tuple((int(slot), bytes.fromhex(h), ints(tokens))
+                        for slot, h, tokens in body["demotions"]),
+        stores=tuple(ints(x) for x in body["stores"]),
+        promotions=tuple((bytes.fromhex(h), ints(tokens), int(slot))
+                         for h, tokens, slot in body["promotions"]),
+        deletes=tuple(bytes.fromhex(h) for h in body["deletes"]),
+    )
 
 
 def _task(body: dict[str, Any] | None) -> PromptLogprobsTask | None:

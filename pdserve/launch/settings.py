@@ -249,9 +249,6 @@ class ServeSettings:
         tiers = {"kv_host_bytes": self.kv_host_bytes, "kv_disk_path": self.kv_disk_path,
                  "kv_disk_bytes": self.kv_disk_bytes}
         CacheConfig(enable_prefix_caching=self.enable_prefix_caching, **tiers)
-        if self.kv_host_bytes and self.decode_tp > 1:  # engine.model_runner refuses it
-            raise ValueError(f"kv_host_bytes: the KV tiers serve single-rank engines for now; "
-                             f"set decode_tp 1 (got {self.decode_tp}) or kv_host_bytes 0")
         return tiers
 
     def tls(self) -> TLSFiles | None:

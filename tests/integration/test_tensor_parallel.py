@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from pdserve.engine.config import CacheConfig, EngineConfig, load_model_config
 from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.kv_tiers import TierOps
 from pdserve.engine.models.parallel import TensorParallel
 from pdserve.engine.plan_broadcast import decode_plan, encode_plan, follow
 from pdserve.engine.sampling_params import SamplingParams
@@ -76,6 +77,11 @@ def test_plan_codec_round_trip():
         ("gone",),
     )
     assert decode_plan(json.loads(json.dumps(encode_plan(plan)))) == plan
+    h1, h2 = b"\x01" * 16, b"\xfe" * 16
+    ops = TierOps(loads=((3, 7),), demotions=((1, h1, (5, 6)),), stores=((8, 2),),
+                  promotions=((h2, (9,), 4),), deletes=(h1, h2))
+    with_tiers = SchedulerOutput(plan.requests, (), ops)  # every rank copies its shard
+    assert decode_plan(json.loads(json.dumps(encode_plan(with_tiers)))) == with_tiers
 
 
 def run_group(model_dir, prompts, tp_size=2, quantization=None, expert_parallel=False):
