@@ -4,15 +4,19 @@ The host tier is one byte tensor, `[num_slots, block_nbytes]` (pinned on CUDA), 
 one device block: every layer's K and V (and an int8 cache's scales), in that order. The disk
 tier is engine.kv_disk's files, one per block, under a directory named by this rank's layout id.
 
-Per step, `start(ops)` first copies the plan's loads (host -> device) on the caller's thread,
-then hands its demotions, stores, promotions and deletes, in that order, to one copy thread,
-so they overlap the forward and run in the order the tiers decided them. It also times them:
+Per step, `start(ops)` hands the plan's loads (host -> device) to the loader thread, which
+copies them layer by layer while the forward runs (engine.kv_layer_loads: the forward waits
+for layer i's loads just before layer i), and its demotions, stores, promotions and deletes, in
+that order, to one copy thread, which first waits for the step's loads (they read slots these
+ops may write), so they overlap the forward and run in the order the tiers decided them. It
+also times them:
 `host_load_s` and `disk_load_s` are the seconds one block takes to load from host and to read
 back from disk (moving averages; None before the first), what the router prices a tier hit
 by (on CUDA the loads' time is their launch's). `results()` reports
 the copies finished since the last call; with `wait` it waits for all of them (a step with
-nothing else to do). On CUDA the copy thread uses its own stream and waits for the loads'
-event before touching a slot.
+nothing else to do). On CUDA the loader and the copy thread each use a stream of their own;
+the loader's first waits for the compute stream (a fresh block may still be written by the
+last step's kernels).
 
 On a tensor-parallel group every rank runs the same ops on its own KV-head shard, each on its
 own thread, so a copy may have landed on one rank and not yet on another. With `agree` (the
@@ -39,6 +43,7 @@ import torch
 
 from pdserve.engine.block_hash import BlockHash
 from pdserve.engine.kv_disk import DiskKVStore
+from pdserve.engine.kv_layer_loads import LayerLoads
 from pdserve.engine.kv_tiers import TierOps, TierResults
 
 logger = logging.getLogger(__name__)
@@ -73,6 +78,7 @@ class KVOffload:
         `layout`: what this rank's block bytes mean (the disk files' layout id); `agree`: a
         tensor-parallel group's host all-reduce (sum), None for a single rank."""
         self._parts = [t for layer in kv_caches for t in layer]
+        self.num_layers = len(kv_caches)
         self._cuda = self._parts[0].device.type == "cuda"
         self._sizes = [t[0].numel() * t.element_size() for t in self._parts]
         self._offsets = [sum(self._sizes[:i]) for i in range(len(self._sizes))]
@@ -96,7 +102,10 @@ class KVOffload:
                 raise ValueError(f"kv_disk_bytes: {disk_bytes} bytes hold no block file of "
                                  f"{self.disk.file_nbytes} bytes; raise it")
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kv-offload")
-        self._stream = torch.cuda.Stream(self._parts[0].device) if self._cuda else None
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
+        device = self._parts[0].device
+        self._stream = torch.cuda.Stream(device) if self._cuda else None
+        self._load_stream = torch.cuda.Stream(device) if self._cuda else None
         # batches on the copy thread, in issue order, with their number of ops
         self._running: list[tuple[Future, int]] = []
         self._finished: list[list[_Done]] = []  # ... done here, not yet agreed by every rank
@@ -107,23 +116,21 @@ class KVOffload:
                     self.host.numel() / 2**20, f", disk {self.num_disk_blocks} blocks under "
                     f"{disk_path}" if self.disk else "")
 
-    def start(self, ops: TierOps) -> None:
-        """Copy the loads now; queue the rest on the copy thread (even if a load fails)."""
-        try:
-            start = time.perf_counter()
-            for slot, block_id in ops.loads:
-                self._copy(slot, block_id, to_device=True)
-            if ops.loads:
-                per_block = (time.perf_counter() - start) / len(ops.loads)
-                self.host_load_s = _average(self.host_load_s, per_block)
-        finally:
-            loaded = None
-            if self._cuda and ops.loads:
-                loaded = torch.cuda.Event()
-                loaded.record()
-            if ops.demotions or ops.stores or ops.promotions or ops.deletes:
-                num_ops = len(ops.demotions) + len(ops.stores) + len(ops.promotions)
-                self._running.append((self._thread.submit(self._run, ops, loaded), num_ops))
+    def start(self, ops: TierOps) -> LayerLoads | None:
+        """Start the step's copies: its loads on the loader (the step waits for each layer's
+        through the LayerLoads returned, None without loads), the rest on the copy thread."""
+        loads = None
+        if ops.loads:
+            loads = LayerLoads(self.num_layers)
+            after = None
+            if self._cuda:
+                after = torch.cuda.Event()
+                after.record()
+            self._loader.submit(self._load, ops.loads, loads, after)
+        if ops.demotions or ops.stores or ops.promotions or ops.deletes:
+            num_ops = len(ops.demotions) + len(ops.stores) + len(ops.promotions)
+            self._running.append((self._thread.submit(self._run, ops, loads), num_ops))
+        return loads
 
     @property
     def busy(self) -> bool:
@@ -167,27 +174,55 @@ class KVOffload:
         return agreed
 
     def close(self) -> None:
+        self._loader.shutdown(wait=True)
         self._thread.shutdown(wait=True)
+
+    # ---- the loader ----
+
+    def _load(self, pairs: Sequence[tuple[int, int]], loads: LayerLoads,
+              after: torch.cuda.Event | None) -> None:
+        """Each (host slot, device block) of `pairs`, one layer after another."""
+        start = time.perf_counter()
+        try:
+            with torch.cuda.stream(self._load_stream) if self._cuda else nullcontext():
+                if after is not None:
+                    self._load_stream.wait_event(after)
+                per_layer = len(self._parts) // self.num_layers
+                for layer in range(self.num_layers):
+                    parts = range(layer * per_layer, (layer + 1) * per_layer)
+                    for slot, block_id in pairs:
+                        self._copy(slot, block_id, to_device=True, parts=parts)
+                    event = None
+                    if self._cuda:
+                        event = torch.cuda.Event()
+                        event.record(self._load_stream)
+                    loads.land(layer, event)
+        except Exception as exc:  # the step fails; its blocks are attended to by no one
+            logger.exception("KV tiers: loading %d blocks from host failed", len(pairs))
+            loads.fail(exc)
+            return
+        self.host_load_s = _average(self.host_load_s, (time.perf_counter() - start) / len(pairs))
 
     # ---- the copy thread ----
 
-    def _run(self, ops: TierOps, loaded: torch.cuda.Event | None) -> list[_Done]:
+    def _run(self, ops: TierOps, loads: LayerLoads | None) -> list[_Done]:
         """The ops' outcomes; if anything unexpected fails, every op of the batch fails (its
         blocks are then misses, and the device blocks held for its stores are let go)."""
         try:
-            return self._run_ops(ops, loaded)
+            return self._run_ops(ops, loads)
         except Exception:
             logger.exception("KV tiers: a batch of copies failed")
             return ([_Done("failed_demotions", h) for _, h, _ in ops.demotions]
                     + [_Done("failed_stores", slot) for _, slot in ops.stores]
                     + [_Done("failed_promotions", h) for h, _, _ in ops.promotions])
 
-    def _run_ops(self, ops: TierOps, loaded: torch.cuda.Event | None) -> list[_Done]:
-        if loaded is not None:
-            loaded.synchronize()  # the loads read slots these ops may write
+    def _run_ops(self, ops: TierOps, loads: LayerLoads | None) -> list[_Done]:
+        if loads is not None:
+            loads.join()  # the step's loads read slots these ops may write
         done = [self._demote(slot, h, tokens) for slot, h, tokens in ops.demotions]
-        for block_id, slot in ops.stores:
-            self._copy(slot, block_id, to_device=False)
+        with torch.cuda.stream(self._stream) if self._cuda else nullcontext():
+            for block_id, slot in ops.stores:
+                self._copy(slot, block_id, to_device=False)
         if self._stream is not None:
             self._stream.synchronize()
         done += [_Done("stored", slot) for _, slot in ops.stores]
@@ -213,17 +248,18 @@ class KVOffload:
         self.disk_load_s = _average(self.disk_load_s, time.perf_counter() - start)
         return _Done("promoted", block_hash)
 
-    def _copy(self, slot: int, block_id: int, to_device: bool) -> None:
-        """One block between its device cache rows and its host slot, part by part."""
+    def _copy(self, slot: int, block_id: int, to_device: bool,
+              parts: Sequence[int] | None = None) -> None:
+        """One block between its device cache rows and its host slot, part by part (`parts`:
+        indexes into every layer's tensors; all of them by default), on the caller's stream."""
         row = self.host[slot]
-        on_side = self._stream is not None and not to_device
-        with torch.cuda.stream(self._stream) if on_side else nullcontext():
-            for t, off, n in zip(self._parts, self._offsets, self._sizes):
-                host = row[off:off + n].view(t.dtype).view(t.shape[1:])
-                if to_device:
-                    t[block_id].copy_(host, non_blocking=self._cuda)
-                else:
-                    host.copy_(t[block_id], non_blocking=self._cuda)
+        for i in parts if parts is not None else range(len(self._parts)):
+            t, off, n = self._parts[i], self._offsets[i], self._sizes[i]
+            host = row[off:off + n].view(t.dtype).view(t.shape[1:])
+            if to_device:
+                t[block_id].copy_(host, non_blocking=self._cuda)
+            else:
+                host.copy_(t[block_id], non_blocking=self._cuda)
 
 
 def _average(mean: float | None, sample: float, weight: float = 0.2) -> float:

@@ -14,7 +14,8 @@ Scheduler side only: this decides, the runner's KVOffload copies. No torch, no I
 - **Demote (host -> disk).** A host slot taken back from its least recently used block first
   writes that block to disk (if the disk lacks it); a full disk drops its own oldest block.
 - **Load (host -> device).** A prefix hit in the host continues the device's hits: the request
-  gets fresh device blocks, copied from host before the step's forward.
+  gets fresh device blocks, copied from host layer by layer beside the step's forward (each
+  layer waits for its own: engine.kv_layer_loads).
 - **Promote (disk -> host).** A hit on disk is read (and checked) into a host slot off the step's
   thread; the request waits in the queue until it has landed, then loads from host. A file that
   fails its check is a miss: the request recomputes those tokens.
@@ -23,9 +24,9 @@ With `enable_events()` the tiers record which hashes became hits and which left,
 the cluster's prefix index (as engine.block_pool does for the device): `drain_events()`.
 
 An entry is only a hit once the runner has confirmed its copy (`ready`); an entry whose copy is
-in flight is never evicted, and a slot is never written while a copy reads it (the runner runs a
-plan's loads first, then its demotions, stores, promotions and deletes, in that order, each kind
-in FIFO order on one thread).
+in flight is never evicted, and a slot is never written while a copy reads it (the runner's
+copy thread runs a plan's demotions, stores, promotions and deletes, in that order, each kind in
+FIFO order, after that plan's loads have landed).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ TIERS = ("host", "disk")
 class TierOps:
     """The copies one step's runner starts (engine.kv_offload), in the order they run."""
 
-    loads: tuple[tuple[int, int], ...] = ()  # (host slot, device block): before the forward
+    loads: tuple[tuple[int, int], ...] = ()  # (host slot, device block): beside the forward
     demotions: tuple[tuple[int, BlockHash, Tokens], ...] = ()  # (host slot, hash, tokens)
     stores: tuple[tuple[int, int], ...] = ()  # (device block, host slot)
     promotions: tuple[tuple[BlockHash, Tokens, int], ...] = ()  # (hash, tokens, host slot)

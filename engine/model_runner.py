@@ -28,6 +28,7 @@ from pdserve.engine.cuda_graphs import (
     step_graph_factory,
 )
 from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.kv_layer_loads import LayerLoads
 from pdserve.engine.kv_offload import KVOffload
 from pdserve.engine.loader import load_weights
 from pdserve.engine.logits_processors import LogitsRow, apply_logits_processors
@@ -153,40 +154,50 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         """Run one step; with a connector, each layer is saved as soon as its K/V are stored.
-        With KV tiers, the plan's loads land before the forward and its other copies run
-        beside it; the result reports the copies finished by then (all, if it computed
-        nothing)."""
+        With KV tiers, the plan's loads land layer by layer beside the forward (each layer
+        waits for its own) and its other copies run beside it; the result reports the copies
+        finished by then (all, if it computed nothing)."""
         for request_id in plan.finished_request_ids:
             self._generators.pop(request_id, None)
         if self.offload is None:
-            return self._execute(plan)
-        self.offload.start(plan.kv_tiers)
-        result = self._execute(plan)
+            return self._execute(plan, None)
+        loads = self.offload.start(plan.kv_tiers)
+        try:
+            result = self._execute(plan, loads)
+        finally:  # however the step ended, its loads no longer write its blocks after it
+            if loads is not None:
+                loads.settle()
         return replace(result, kv_tiers=self.offload.results(wait=not plan.requests))
 
-    def _execute(self, plan: SchedulerOutput) -> RunnerOutput:
+    def _execute(self, plan: SchedulerOutput, loads: LayerLoads | None) -> RunnerOutput:
         if not plan.requests:
             return RunnerOutput({}, {})
         if self.connector is None:
-            return self._forward(plan, None)
+            return self._forward(plan, None, loads)
         self.connector.start_save(plan)
         try:
-            result = self._forward(plan, self.connector.save_kv_layer)
+            result = self._forward(plan, self.connector.save_kv_layer, loads)
         except BaseException:
             self.connector.abort_save()
             raise
         return replace(result, kv_saves=self.connector.wait_for_save())
 
     def _forward(
-        self, plan: SchedulerOutput, layer_hook: Callable[[int], None] | None
+        self, plan: SchedulerOutput, layer_hook: Callable[[int], None] | None,
+        loads: LayerLoads | None,
     ) -> RunnerOutput:
         """`layer_hook(i)` is called as soon as layer i's K/V are stored (after a graph's
-        replay, for every layer at once)."""
+        replay, for every layer at once); layer i waits for its `loads` first (a graph's
+        replay, for all of them)."""
         size = self.graphs.batch_size(plan) if self.graphs is not None else None
         if size is None:
             input_ids, positions, meta, sample_rows = self._prepare(plan)
+            if loads is not None:
+                meta = replace(meta, kv_ready=loads.wait)
             hidden = self.model(input_ids, positions, self.kv_caches, meta, layer_hook)  # [T, H]
         else:
+            if loads is not None:
+                loads.wait_all()
             hidden = self.graphs.replay(plan, size)  # [num_decodes, H]
             if layer_hook is not None:  # the replay stored every layer's K/V
                 for layer in range(self.config.model.num_layers):

@@ -21,9 +21,10 @@ cached here), and its rest is prefilled here; failed or expired, it joins the qu
 scratch: the prefix is recomputed, never lost.
 
 With KV tiers (engine.kv_tiers) a waiting request's prefix continues below the device: blocks
-in host memory are loaded into its fresh blocks before its first step; a request whose prefix
-is being read back from disk keeps its place in the queue until it has landed. The plan
-carries the tiers' copies to the runner, and its result says which landed.
+in host memory are loaded into its fresh blocks in its first step (each layer's before that
+layer runs); a request whose prefix is being read back from disk keeps its place in the queue
+until it has landed. The plan carries the tiers' copies to the runner, and its result says
+which landed.
 
 `Scheduler.stats` (`SchedulerStats`): what the scheduler has done, as cumulative counters.
 

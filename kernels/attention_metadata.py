@@ -8,6 +8,7 @@ builds it once per step; every layer's attention reads it, and the linears its L
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,3 +39,6 @@ class AttentionMetadata:
     decode: DecodeMetadata | None
     prefill: PrefillMetadata | None
     lora: LoRAMapping | None = None  # which adapter each token uses; None: the base alone
+    # Called with i before layer i reads its KV: blocks loaded from the KV tiers this step land
+    # layer by layer beside it (engine.kv_layer_loads); None: nothing to wait for
+    kv_ready: Callable[[int], None] | None = None

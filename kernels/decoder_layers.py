@@ -67,9 +67,11 @@ class DecoderLayers(torch.nn.ModuleList):
         layer_hook: Callable[[int], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # hidden, residual: for the final norm
         """`layer_hook(i)` runs once layer i's K/V are in the cache (the KV push overlaps the
-        layers still computing)."""
+        layers still computing); `meta.kv_ready(i)` before layer i (KV tier loads)."""
         residual = None
         for i, (layer, kv_cache) in enumerate(zip(self, kv_caches)):
+            if meta.kv_ready is not None:
+                meta.kv_ready(i)
             hidden, residual = layer(hidden, residual, positions, kv_cache, meta)
             if layer_hook is not None:
                 layer_hook(i)

@@ -337,6 +337,8 @@ class CpuDecoderLayers(DecoderLayers):
                            token_block_tables(meta), self.rope, block_size,
                            num_blocks * block_size, meta.lora, self.lora_width)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.fused, kv_caches)):
+            if meta.kv_ready is not None:
+                meta.kv_ready(i)
             for part in self.parts:
                 decoder_layer_cpu(layer, step, k_cache, v_cache, part, first=i == 0)
                 if self.all_reduce is not None:

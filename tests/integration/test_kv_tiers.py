@@ -5,6 +5,7 @@ re-indexes its disk, and no device block is left held."""
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 
@@ -131,3 +132,56 @@ def test_an_abort_between_steps_leaves_no_block_held_once_the_loop_steps(tiny_ll
     while engine_.has_unfinished_requests():
         engine_.step()
     assert_idle(llm)
+
+
+def test_loads_land_layer_by_layer_beside_the_forward(tiny_llama_dir, cold, monkeypatch):
+    # layer 1's loads may only start once layer 0 has computed: a step that waited for every
+    # layer's loads before its first layer would never get there (the gate times out)
+    from pdserve.engine.kv_offload import KVOffload
+
+    llm = engine(tiny_llama_dir, kv_host_bytes=64 * block_bytes(tiny_llama_dir))
+    layer0 = llm.engine.core.runner.model.layers[0]
+    computed = threading.Event()
+    forward = layer0.forward
+
+    def first_layer(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        computed.set()
+        return out
+
+    copy, load = KVOffload._copy, KVOffload._load
+    per_layer = len(llm.engine.core.runner.kv_caches[0])
+
+    def step_loads(self, *args):
+        computed.clear()  # layer 0 of this step has not run: it waits for this step's loads
+        load(self, *args)
+
+    def gated(self, slot, block_id, to_device, parts=None):
+        if to_device and parts is not None and parts[0] >= per_layer:  # layer 1 on
+            assert computed.wait(10), "a later layer's loads ran before layer 0 computed"
+        copy(self, slot, block_id, to_device, parts)
+
+    monkeypatch.setattr(layer0, "forward", first_layer)
+    monkeypatch.setattr(KVOffload, "_load", step_loads)
+    monkeypatch.setattr(KVOffload, "_copy", gated)
+    got = turns(llm, 2)
+    assert [t for t, _ in got] == [t for t, _ in cold]
+    assert [c for _, c in got[5:]] == [96] * 5  # every full prompt block loaded from host
+    assert_idle(llm)
+
+
+def test_a_failed_load_fails_its_step_not_its_tokens(tiny_llama_dir, monkeypatch):
+    from pdserve.engine.kv_offload import KVOffload
+
+    llm = engine(tiny_llama_dir, kv_host_bytes=64 * block_bytes(tiny_llama_dir))
+    turns(llm, 1)  # host holds every prompt's blocks now
+    copy = KVOffload._copy
+
+    def broken_load(self, slot, block_id, to_device, parts=None):
+        if to_device:
+            raise RuntimeError("host memory unreadable")
+        copy(self, slot, block_id, to_device, parts)
+
+    monkeypatch.setattr(KVOffload, "_copy", broken_load)
+    with pytest.raises(RuntimeError, match="KV tier loads failed: host memory unreadable"):
+        llm.generate([PROMPTS[0] + [5]], GREEDY)
