@@ -101,15 +101,20 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.StartResponse()
 
     def Submit(self, request, context):
-        args = (request.request_id, list(request.prompt_token_ids),
-                sampling_from_proto(request.sampling, default_max_tokens=1))
-        tail = (request.num_output_tokens, lora_from_proto(request))
+        def fields() -> dict:  # read inside the call: a bad field is INVALID_ARGUMENT
+            return {"request_id": request.request_id,
+                    "prompt_token_ids": list(request.prompt_token_ids),
+                    "params": sampling_from_proto(request.sampling, default_max_tokens=1),
+                    "num_output_tokens": request.num_output_tokens,
+                    "lora": lora_from_proto(request)}
+
         if not request.pull_sources and not request.num_pull_tokens:
-            granted = self._owned(context, request, lambda: self.worker.submit(*args, *tail))
+            granted = self._owned(context, request, lambda: self.worker.submit(**fields()))
             return worker_pb2.SubmitResponse(granted=granted)
-        sources = [Endpoint(s.host, s.port, s.rank) for s in request.pull_sources]
         granted, descriptor = self._owned(context, request, lambda: self.worker.submit_pulling(
-            *args, sources, request.num_pull_tokens, request.pull_deadline, *tail))
+            sources=[Endpoint(s.host, s.port, s.rank) for s in request.pull_sources],
+            num_pull_tokens=request.num_pull_tokens, deadline=request.pull_deadline,
+            **fields()))
         return worker_pb2.SubmitResponse(
             granted=granted, pull_descriptor=descriptor.encode() if descriptor else b"")
 

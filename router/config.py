@@ -19,6 +19,10 @@ class RouterConfig:
     worker_rpc_timeout_s: float = 10.0  # Reserve / Start / Submit; late = retried elsewhere
     # times a request is moved to another decode worker when its own dies mid-stream
     migration_limit: int = 1
+    # the service's TTFT SLO (seconds), and whether a request every prefill worker is predicted
+    # to miss it for is refused at once, RESOURCE_EXHAUSTED / 429 with a retry hint
+    ttft_slo_s: float | None = None
+    early_rejection: bool = False
 
     def __post_init__(self) -> None:
         for name in ("kv_transfer_timeout_s", "outputs_silence_s", "worker_rpc_timeout_s"):
@@ -26,3 +30,7 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0 (seconds), got {getattr(self, name)}")
         if self.migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
+        if self.ttft_slo_s is not None and not 0 < self.ttft_slo_s < float("inf"):
+            raise ValueError(f"ttft_slo_s must be > 0 (seconds), got {self.ttft_slo_s}")
+        if self.early_rejection and self.ttft_slo_s is None:
+            raise ValueError("early_rejection needs a TTFT SLO to hold requests to (slo ttft=MS)")

@@ -37,6 +37,7 @@ from pdserve.router.policy import (
     TierCosts,
     choose_decode,
     choose_prefill,
+    early_rejection,
     prefill_locally,
     priced_hit_tokens,
     shared_prefix_len,
@@ -77,6 +78,16 @@ class DecodeSideFailed(WorkerLost):
 
 class NoCapacity(Exception):
     """No decode worker could hold the request's KV before its deadline."""
+
+
+class TTFTUnmeetable(Exception):
+    """Early rejection: every prefill worker is predicted to miss the TTFT SLO for it."""
+
+    def __init__(self, retry_after_s: float, ttft_slo_s: float) -> None:
+        super().__init__(f"every prefill worker is predicted to give the first token "
+                         f"{retry_after_s:.3g} s past the TTFT SLO of {ttft_slo_s:g} s; retry "
+                         f"in {retry_after_s:.3g} s")
+        self.retry_after_s = retry_after_s
 
 
 RETRYABLE = (PrefillLost, DecodeSideFailed, ReservationLost, WorkerBusy)
@@ -187,7 +198,7 @@ class Placer:
             return reply.granted
         try:
             prefill, hits = await self.choose_prefill(prompt, lost_prefill, req.lora)
-        except WorkerLost:  # nothing of this attempt reached the decode worker: nothing to free
+        except (WorkerLost, TTFTUnmeetable):  # nothing reached the decode worker: nothing to free
             decode.close_request(rid)
             flight.decode = None
             raise
@@ -275,7 +286,8 @@ class Placer:
     async def choose_prefill(self, prompt: list[int], excluded: set[str] = frozenset(),
                              lora: LoRARequest | None = None) -> tuple[PrefillClient, int]:
         """The prefill worker for this prompt (run with `lora`) and its prefix-cache hit there
-        (tokens)."""
+        (tokens); TTFTUnmeetable when early rejection is on and every one is predicted to miss
+        the TTFT SLO."""
         up = [c for c in self.prefill.values() if c.in_rotation and c.worker_id not in excluded]
         if not up:
             raise WorkerLost("no prefill worker is up")
@@ -290,6 +302,11 @@ class Placer:
                              _adapters(c)) for c in up]
         info = RoutingInfo(len(prompt), 0, prefix_hits=hits,
                            lora_name=lora.lora_name if lora is not None else None)
+        if self.config.early_rejection:
+            rates = {c.worker_id: c.load.prefill_s_per_token if c.load else None for c in up}
+            retry_after_s = early_rejection(loads, info, rates, self.config.ttft_slo_s)
+            if retry_after_s is not None:
+                raise TTFTUnmeetable(retry_after_s, self.config.ttft_slo_s)
         chosen = choose_prefill(loads, info)
         return self.prefill[chosen], hits.get(chosen, 0)
 

@@ -189,6 +189,26 @@ def choose_prefill(
     return best.worker_id
 
 
+def early_rejection(workers: Sequence[PrefillLoad], req: RoutingInfo,
+                    prefill_s_per_token: Mapping[str, float | None],
+                    ttft_slo_s: float) -> float | None:
+    """Early rejection (Mooncake's): when every prefill worker is predicted to give `req` its
+    first token later than `ttft_slo_s` — its queued uncached tokens and this prompt's, at its
+    measured prefill seconds per token — the seconds a client should wait before retrying (by
+    how much the best prediction misses); None to admit. A worker whose rate is not measured
+    yet admits: it may be fast. The rate is the step-time fit's slope (no per-step overhead),
+    so the prediction errs early, and what it rejects would miss the SLO anyway."""
+    predicted = []
+    for worker in workers:
+        rate = prefill_s_per_token.get(worker.worker_id)
+        if not rate or rate < 0:
+            return None
+        predicted.append(prefill_work(worker, req) * rate)
+    if not predicted or min(predicted) <= ttft_slo_s:
+        return None
+    return min(predicted) - ttft_slo_s
+
+
 def prefill_locally(
     num_prompt_tokens: int, num_cached_on_decode: int, max_local_prefill_tokens: int
 ) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -33,7 +34,7 @@ from pdserve.router.admission import Overloaded, ShuttingDown
 from pdserve.router.auth import APITokens, authorized, call_tenant
 from pdserve.router.h2.call import CallEnded
 from pdserve.router.h2.server import GrpcServer, Method
-from pdserve.router.placement import NoCapacity
+from pdserve.router.placement import NoCapacity, TTFTUnmeetable
 from pdserve.router.router import Router
 from pdserve.router.stream import WorkerFailed
 from pdserve.router.validation import (
@@ -95,6 +96,10 @@ class InferenceServicer:
         except InvalidArgument as exc:
             status = "invalid"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TTFTUnmeetable as exc:  # gRPC's retry pushback: when to try again
+            status = "overloaded"
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), (
+                ("grpc-retry-pushback-ms", str(math.ceil(exc.retry_after_s * 1000))),))
         except (Overloaded, NoCapacity) as exc:
             status = "overloaded"
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))

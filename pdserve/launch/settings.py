@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import defaults
+from pdserve.bench.metrics import parse_slo
 from pdserve.engine.config import CacheConfig, LoRAConfig, check_cuda_graph_sizes
 from pdserve.engine.spec.config import parse_speculative_config
 from pdserve.redis_keys import DEFAULT_NAMESPACE
@@ -55,7 +56,7 @@ class ServeSettings:
     kv_host_bytes: int = _opt(
         0, "KV tier in host memory per worker, bytes: prefix-cache blocks the device pool "
         "evicts stay there and load back instead of being recomputed (0: off; needs "
-        "enable_prefix_caching and decode_tp 1)")
+        "enable_prefix_caching; a decode_tp group's ranks each keep their shard)")
     kv_disk_path: str | None = _opt(
         None, "KV tier on local disk below the host tier: a directory on each worker's node, "
         "each worker using its own subdirectory <path>/<worker id> (with kv_disk_bytes and "
@@ -148,6 +149,14 @@ class ServeSettings:
     max_local_prefill_tokens: int = _opt(
         256, "a session's decode worker prefills up to this many uncached tokens itself"
     )
+    slo: str | None = _opt(
+        None, "the service's latency SLO, e.g. ttft=2000,tpot=200 (milliseconds): what "
+        "--early-rejection holds a request's first token to")
+    early_rejection: bool = _opt(
+        False, "refuse a request at once, RESOURCE_EXHAUSTED / 429 with a retry hint "
+        "(grpc-retry-pushback-ms / Retry-After), when every prefill worker is predicted to miss "
+        "the SLO's ttft for it (its queued and this prompt's uncached tokens at its measured "
+        "prefill rate), instead of queueing it (Mooncake's early rejection); needs --slo ttft")
     worker_silence_s: float = _opt(
         10.0, "seconds a worker may stay silent (no output message or keepalive to the router, "
         "no answer to the supervisor's ping) before it is taken for dead")
@@ -217,10 +226,23 @@ class ServeSettings:
         if self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got "
                              f"{self.tool_call_parser!r}")
+        if self.ttft_slo_s() is None and self.early_rejection:  # parses slo either way
+            raise ValueError("early_rejection needs a TTFT bound to hold requests to: set slo, "
+                             "e.g. ttft=2000 (milliseconds)")
         if not 0 < self.kv_transfer_timeout_s < math.inf:
             raise ValueError(
                 f"kv_transfer_timeout_s must be a positive number, got {self.kv_transfer_timeout_s}"
             )
+
+    def ttft_slo_s(self) -> float | None:
+        """The SLO's TTFT bound in seconds (None: no SLO, or none on TTFT); ValueError naming
+        `slo` when it does not parse."""
+        if self.slo is None:
+            return None
+        try:
+            return parse_slo(self.slo).ttft_s
+        except ValueError as exc:
+            raise ValueError(f"slo: {exc}") from None
 
     def graph_sizes(self) -> list[int] | None:
         """--cuda-graph-sizes as a list (spaces or commas between sizes); None: the default."""

@@ -68,16 +68,19 @@ class Call:
         data = self.serialize(message)
         await self.conn.send_data(self, len(data).to_bytes(MESSAGE_PREFIX, "big") + data)
 
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        self.finish(code, details)
+    async def abort(self, code: grpc.StatusCode, details: str = "",
+                    trailing_metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        """As grpc.aio's: end the call with this status (and these ASCII trailers)."""
+        self.finish(code, details, trailing_metadata)
         raise AbortError(details)
 
     # ---- the server's side ----
 
-    def finish(self, code: grpc.StatusCode, details: str = "") -> None:
+    def finish(self, code: grpc.StatusCode, details: str = "",
+               trailing_metadata: tuple[tuple[str, str], ...] = ()) -> None:
         """Send the status (trailers) once; later calls do nothing."""
         if not self.ended:
-            self.conn.send_trailers(self, code.value[0], details)
+            self.conn.send_trailers(self, code.value[0], details, trailing_metadata)
 
     def received(self, data: bytes, max_message: int) -> tuple[grpc.StatusCode, str] | None:
         """Take a DATA payload; whole messages join `messages`. The status to end the call with

@@ -130,10 +130,13 @@ class Connection(asyncio.Protocol):
         self.send(f.frame(f.HEADERS, f.END_HEADERS | (f.END_STREAM if end else 0),
                           call.stream_id, block))
 
-    def send_trailers(self, call: Call, code: int, details: str) -> None:
+    def send_trailers(self, call: Call, code: int, details: str,
+                      metadata: tuple[tuple[str, str], ...] = ()) -> None:
         block = f.literal(b"grpc-status", str(code).encode())
         if details:
             block += f.literal(b"grpc-message", grpc_message(details))
+        for key, value in metadata:  # the server's own ASCII trailers (e.g. retry pushback)
+            block += f.literal(key.lower().encode("ascii"), value.encode("ascii"))
         if call.headers_sent:  # else a trailers-only response
             self.send(f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM, call.stream_id, block))
         else:

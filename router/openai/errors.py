@@ -1,7 +1,9 @@
 """Router exceptions -> HTTP statuses and OpenAI's error JSON.
 
 400 a bad parameter (named in `param`), 401 a missing or wrong API key, 404 an unknown model,
-413 a body over the limit, 429 the admission queue is full, 503 no worker can take the request
+413 a body over the limit, 429 the admission queue is full or the request was rejected early
+(every prefill worker predicted to miss the TTFT SLO; `Retry-After` says when to retry), 503
+no worker can take the request
 (none up, none with KV room in time, or the one holding it died) or the service drains, 504
 the deadline passed.
 """
@@ -9,11 +11,12 @@ the deadline passed.
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any
 
 from pdserve.router.admission import Overloaded, ShuttingDown
 from pdserve.router.invalid_argument import BadParameter, InvalidArgument
-from pdserve.router.placement import NoCapacity
+from pdserve.router.placement import NoCapacity, TTFTUnmeetable
 from pdserve.router.stream import WorkerFailed
 from pdserve.router.workers import WorkerLost
 
@@ -38,7 +41,7 @@ def status_of(exc: BaseException) -> tuple[int, str]:
         return exc.status, "invalid"
     if isinstance(exc, InvalidArgument):
         return 400, "invalid"
-    if isinstance(exc, Overloaded):
+    if isinstance(exc, (Overloaded, TTFTUnmeetable)):
         return 429, "overloaded"
     if isinstance(exc, NoCapacity):
         return 503, "overloaded"
@@ -47,6 +50,14 @@ def status_of(exc: BaseException) -> tuple[int, str]:
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
         return 504, "deadline"
     return 500, "error"
+
+
+def error_headers(exc: BaseException) -> list[tuple[bytes, bytes]]:
+    """Headers an error answer carries besides its JSON: `Retry-After` (whole seconds) when
+    the router can say when to retry."""
+    if isinstance(exc, TTFTUnmeetable):
+        return [(b"retry-after", str(max(1, math.ceil(exc.retry_after_s))).encode())]
+    return []
 
 
 def error_body(status: int, exc: BaseException) -> dict[str, Any]:

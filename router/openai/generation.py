@@ -18,7 +18,7 @@ from typing import Any
 
 from pdserve.proto import pdserve_pb2
 from pdserve.router.mailbox import Mailbox
-from pdserve.router.openai.errors import error_body, status_of
+from pdserve.router.openai.errors import error_body, error_headers, status_of
 from pdserve.router.openai.protocol import OpenAIRequest
 from pdserve.router.openai.responses import Choices, dumps
 
@@ -158,25 +158,27 @@ class GenerationResponse:
     async def _fail(self, send: Send, code: int, exc: BaseException) -> None:
         body = error_body(code, exc)
         if not self.started:
-            await self._send_json(send, code, body)
+            await self._send_json(send, code, body, error_headers(exc))
             return
         await _events(send, [body])
         await self._done(send)
 
-    async def _send_json(self, send: Send, status: int, body: dict[str, Any]) -> None:
+    async def _send_json(self, send: Send, status: int, body: dict[str, Any],
+                         headers: list[tuple[bytes, bytes]] = ()) -> None:
         self.completed = True  # set first: the disconnect that follows the send is no cancel
-        await send_json(send, status, body)
+        await send_json(send, status, body, headers)
 
     async def _done(self, send: Send) -> None:
         self.completed = True
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
 
-async def send_json(send: Send, status: int, body: dict[str, Any]) -> None:
+async def send_json(send: Send, status: int, body: dict[str, Any],
+                    headers: list[tuple[bytes, bytes]] = ()) -> None:
     data = dumps(body).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(data)).encode())]})
+                            (b"content-length", str(len(data)).encode()), *headers]})
     await send({"type": "http.response.body", "body": data})
 
 

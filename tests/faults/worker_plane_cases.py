@@ -9,6 +9,8 @@ import time
 from pdserve.proto import worker_pb2
 from tests.faults.worker_plane import AUTH, PROMPT, Plane, reserve, sampling, source_of
 
+SOMEWHERE = worker_pb2.Endpoint(host="127.0.0.1", port=9, rank=0)  # a pull source never asked
+
 
 def _reserve_case(**fields):
     def call(plane: Plane):
@@ -86,6 +88,23 @@ BAD_FIELDS = {  # case -> (the call, what the error must name)
                                    "max_model_len"),
     "submit-too-many-logprobs": (_submit_case(sampling=lambda p: sampling(logprobs=99)),
                                  "logprobs"),
+    "submit-pull-partial-block": (_submit_case(
+        pull_sources=lambda p: [SOMEWHERE], num_pull_tokens=lambda p: 20,
+        pull_deadline=lambda p: time.time() + 30), "num_pull_tokens"),
+    "submit-pull-whole-prompt": (_submit_case(
+        pull_sources=lambda p: [SOMEWHERE], num_pull_tokens=lambda p: 48,
+        pull_deadline=lambda p: time.time() + 30), "num_pull_tokens"),
+    "submit-pull-no-source": (_submit_case(
+        num_pull_tokens=lambda p: 16, pull_deadline=lambda p: time.time() + 30), "pull_sources"),
+    "submit-pull-nan-deadline": (_submit_case(
+        pull_sources=lambda p: [SOMEWHERE], num_pull_tokens=lambda p: 16,
+        pull_deadline=lambda p: float("nan")), "deadline"),
+    "push-prefix-junk-descriptor": (lambda p: p.d.PushPrefix(worker_pb2.PushPrefixRequest(
+        request_id="bad", prompt_token_ids=PROMPT[:16], descriptor=b"{"), metadata=AUTH,
+        timeout=30), "descriptor"),
+    "push-prefix-other-request": (lambda p: p.d.PushPrefix(worker_pb2.PushPrefixRequest(
+        request_id="bad-other", prompt_token_ids=PROMPT,
+        descriptor=reserve(p, "bad").descriptor), metadata=AUTH, timeout=30), "descriptor"),
     "start-token-outside-vocab": (_start_case(lambda p: worker_pb2.StartRequest(
         request_id="bad", first_token_id=p.vocab)), "first_token_id"),
     "start-negative-token": (_start_case(lambda p: worker_pb2.StartRequest(

@@ -22,11 +22,14 @@ CHOICES = {"mode": ("disaggregated", "colocated"), "tool_call_parser": ("hermes"
 SAMPLES = {"speculative_config": [f'{{"method": "ngram", "num_speculative_tokens": {n}}}'
                                   for n in (1, 2, 3)],
            "lora_modules": ["a=/adapters/a", "b=/adapters/b c=/adapters/c", '{"d": "/d"}'],
-           "cuda_graph_sizes": ["1 2 4", "8,16", "3"]}
+           "cuda_graph_sizes": ["1 2 4", "8,16", "3"],
+           "slo": ["ttft=500", "ttft=1000,tpot=50", "tpot=20"]}
 # fields valid only beside others (a disk KV tier takes its directory, its size and a host tier
-# above it): what those are set to, in the environment, wherever the field is set
+# above it; early rejection a TTFT SLO): what those are set to, in the environment, wherever
+# the field is set
 COMPANIONS = {"kv_disk_path": {"kv_disk_bytes": 1 << 30, "kv_host_bytes": 1 << 30},
-              "kv_disk_bytes": {"kv_disk_path": "/var/tmp/kv", "kv_host_bytes": 1 << 30}}
+              "kv_disk_bytes": {"kv_disk_path": "/var/tmp/kv", "kv_host_bytes": 1 << 30},
+              "early_rejection": {"slo": "ttft=1000"}}
 # optional fields that None turns off only with their companions: test_kv_tier_settings.py
 OPTIONAL = [f.name for f in FIELDS if f.default is None and f.name not in COMPANIONS]
 

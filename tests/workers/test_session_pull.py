@@ -11,7 +11,9 @@ pull counters (one pulled, its bytes the layout's bytes of those blocks), the pu
 tokens, and the tokens each worker computed (the prefill worker none for turn 2, the puller
 only the prompt's tail). Greedy output of both turns equals the offline engine's, and every
 block is back in every pool afterwards. Again with a TP-2 decode group (rank 1 in its own
-process) as the puller: the single-rank holder pushes each rank its KV-head shard.
+process) as the puller: the single-rank holder pushes each rank its KV-head shard. And with the
+holder's prefix cache emptied before turn 2: the holder says so, the pull counts as missed, and
+the puller computes the whole prompt, with the same tokens.
 """
 
 from __future__ import annotations
