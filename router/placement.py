@@ -197,7 +197,8 @@ class Placer:
                 await self.pulls.run(req, rid, pull, reply.pull_descriptor)
             return reply.granted
         try:
-            prefill, hits = await self.choose_prefill(prompt, lost_prefill, req.lora)
+            prefill, hits = await self.choose_prefill(  # a migrated request streamed already
+                prompt, lost_prefill, req.lora, may_reject=not req.num_output_tokens)
         except (WorkerLost, TTFTUnmeetable):  # nothing reached the decode worker: nothing to free
             decode.close_request(rid)
             flight.decode = None
@@ -284,10 +285,11 @@ class Placer:
         return decode
 
     async def choose_prefill(self, prompt: list[int], excluded: set[str] = frozenset(),
-                             lora: LoRARequest | None = None) -> tuple[PrefillClient, int]:
+                             lora: LoRARequest | None = None,
+                             may_reject: bool = False) -> tuple[PrefillClient, int]:
         """The prefill worker for this prompt (run with `lora`) and its prefix-cache hit there
-        (tokens); TTFTUnmeetable when early rejection is on and every one is predicted to miss
-        the TTFT SLO."""
+        (tokens); `may_reject`: TTFTUnmeetable when early rejection is on and every one is
+        predicted to miss the TTFT SLO."""
         up = [c for c in self.prefill.values() if c.in_rotation and c.worker_id not in excluded]
         if not up:
             raise WorkerLost("no prefill worker is up")
@@ -302,7 +304,7 @@ class Placer:
                              _adapters(c)) for c in up]
         info = RoutingInfo(len(prompt), 0, prefix_hits=hits,
                            lora_name=lora.lora_name if lora is not None else None)
-        if self.config.early_rejection:
+        if may_reject and self.config.early_rejection:
             rates = {c.worker_id: c.load.prefill_s_per_token if c.load else None for c in up}
             retry_after_s = early_rejection(loads, info, rates, self.config.ttft_slo_s)
             if retry_after_s is not None:

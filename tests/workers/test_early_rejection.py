@@ -24,6 +24,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai.app import OpenAIApp
 from pdserve.router.openai.server import HTTPServer
+from pdserve.router.placement import TTFTUnmeetable
 from pdserve.router.router import Router
 from pdserve.router.server import RouterServer
 from pdserve.router.validation import ModelContext
@@ -84,10 +85,15 @@ async def serve(model, plane):
                 assert time.monotonic() < end, "the prefill worker's rate was never reported"
                 await asyncio.sleep(0.05)
             refused = await generate(stub, 1)
+            # a migrated request (its tokens already streamed) is never rejected early
+            prompt = [t + 3 for t in PROMPT]
+            kept, _ = await router.placer.choose_prefill(prompt, may_reject=False)
+            with pytest.raises(TTFTUnmeetable):
+                await router.placer.choose_prefill(prompt, may_reject=True)
         async with httpx.AsyncClient(timeout=CALL_S) as client:
             answer = await client.post(f"{http.url}/v1/completions", json={
                 "model": "tiny", "prompt": [t + 2 for t in PROMPT], "max_tokens": 2})
-        return unmeasured, refused, answer
+        return unmeasured, refused, answer, kept.worker_id
     finally:
         await http.stop()
         await server.stop(grace=0)
@@ -96,7 +102,8 @@ async def serve(model, plane):
 
 def test_a_request_predicted_to_miss_the_ttft_slo_is_refused_at_once(tiny_llama_dir, plane):
     model = ModelContext.load(str(tiny_llama_dir), "tiny", max_model_len=512)
-    unmeasured, (code, trailers), answer = asyncio.run(serve(model, plane))
+    unmeasured, (code, trailers), answer, kept = asyncio.run(serve(model, plane))
+    assert kept == "prefill-0"
     assert unmeasured == ("ok", {})
     assert code == "RESOURCE_EXHAUSTED"
     assert int(trailers["grpc-retry-pushback-ms"]) >= 1
