@@ -154,8 +154,7 @@ class Scheduler:
         if len(self.running) + self.num_remote >= self.config.max_num_seqs:
             return None
         remote = request.kv_transfer
-        pulled = remote.num_tokens if isinstance(remote, RemotePrefill) and remote.is_pull \
-            else None
+        pulled = remote.num_tokens if isinstance(remote, RemotePrefill) else None
         num_remote = pulled or request.num_prompt_tokens  # tokens whose KV comes from elsewhere
         # a prefill computes the prompt's last token at least; a pulled prefix may be all hits
         limit = num_remote + 1 if pulled else num_remote

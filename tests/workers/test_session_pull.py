@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
 
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.launch.redis_server import RedisServer
 from pdserve.proto import worker_pb2
 from pdserve.redis_keys import scoped_session_id
 from pdserve.router.auth import tenant_of
@@ -40,8 +38,6 @@ from tests.faults.worker_plane import (
     decode_tp2,
     sampling,
     source_of,
-    start_decode,
-    start_prefill,
     worker_spec,
 )
 from tests.workers.pd import SECRET
@@ -50,6 +46,7 @@ from tests.workers.test_session_skip_held import (
     _session,
     block_nbytes,
     counter,
+    two_decode_plane,
 )
 
 AUTH = SECRET.grpc_metadata()
@@ -62,23 +59,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def plane(tiny_llama_dir):
-    prefill = start_prefill(worker_spec(tiny_llama_dir, "prefill-0"), SECRET)
-    decodes = {}
-    try:
-        for name in ("decode-0", "decode-1"):
-            spec = dataclasses.replace(worker_spec(tiny_llama_dir, name), max_num_seqs=1)
-            decodes[name] = start_decode(spec, SECRET)
-        yield prefill, decodes
-    finally:
-        for service in decodes.values():
-            service.stop()
-        prefill.stop()
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    with RedisServer(port=0, password="session-pull-test") as server:
-        yield server
+    with two_decode_plane(tiny_llama_dir, max_num_seqs=1) as workers:
+        yield workers
 
 
 @contextlib.contextmanager

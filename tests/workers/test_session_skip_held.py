@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 
 import grpc
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.launch.redis_server import RedisServer
 from pdserve.proto import worker_pb2
 from pdserve.redis_keys import scoped_session_id
 from pdserve.router.auth import tenant_of
@@ -53,13 +53,16 @@ MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def plane(tiny_llama_dir):
-    prefill = start_prefill(worker_spec(tiny_llama_dir, "prefill-0"), SECRET)
+@contextlib.contextmanager
+def two_decode_plane(model_dir, **decode_limits):
+    """(the prefill service, {name: decode service}) of one prefill and two decode workers;
+    `decode_limits` override the decode workers' WorkerSpec fields."""
+    prefill = start_prefill(worker_spec(model_dir, "prefill-0"), SECRET)
     decodes = {}
     try:
         for name in ("decode-0", "decode-1"):
-            decodes[name] = start_decode(worker_spec(tiny_llama_dir, name), SECRET)
+            spec = dataclasses.replace(worker_spec(model_dir, name), **decode_limits)
+            decodes[name] = start_decode(spec, SECRET)
         yield prefill, decodes
     finally:
         for service in decodes.values():
@@ -68,9 +71,9 @@ def plane(tiny_llama_dir):
 
 
 @pytest.fixture(scope="module")
-def redis_server():
-    with RedisServer(port=0, password="skip-held-test") as server:
-        yield server
+def plane(tiny_llama_dir):
+    with two_decode_plane(tiny_llama_dir) as workers:
+        yield workers
 
 
 def block_nbytes(prefill) -> int:
