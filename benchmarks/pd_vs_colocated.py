@@ -1,12 +1,18 @@
-"""Disaggregated (1 prefill + 1 decode) vs colocated (2 workers that do both), same CPU budget.
+"""Disaggregated (1 prefill + 1 decode), colocated (2 workers that do both) and adaptive (1 + 1,
+each prompt placed from measured costs), same CPU budget.
 
-Both deployments run through the same router and clients, with the same seeded workloads and
-the same per-worker thread count; only where prefill runs differs. For each workload and each
-offered rate it prints request throughput, TTFT / TPOT percentiles, SLO attainment and goodput
-side by side, then writes one JSON, one markdown table and one PNG (latency CDFs, goodput vs
-rate) under --out.
+Every deployment runs through the same router and clients, with the same seeded workloads,
+the same per-worker thread count and the same flags, the workload's SLO among them (`--slo`:
+what adaptive placement weighs, and under which a decode step that prefills is sized to the
+TPOT bound in every mode); only where prefill runs differs: always on the prefill worker but
+for a short session tail (`--prefill-placement fixed`), always where the request decodes
+(`--mode colocated`), or per request (`--prefill-placement adaptive`, the default). For each
+workload and each offered rate it prints request throughput, TTFT / TPOT percentiles, SLO
+attainment and goodput side by side, and adaptive's goodput against the better of the other
+two, then writes one JSON, one markdown table and one PNG (latency CDFs, goodput vs rate) per
+workload under --out. A service is started per mode and workload (its SLO is a flag).
 
-    .venv/bin/python benchmarks/pd_vs_colocated.py                  # SmolLM2, both workloads
+    .venv/bin/python benchmarks/pd_vs_colocated.py                  # SmolLM2, every workload
     .venv/bin/python benchmarks/pd_vs_colocated.py --rates 0.5,1 --num-requests 16
 """
 
@@ -30,11 +36,16 @@ from pdserve.launch.settings import ServeSettings
 WORKLOADS = {  # name: (input_len, output_len, SLO in ms); sized for SmolLM2 on 1 CPU thread
     "prefill-heavy": (512, 8, "ttft=4000,tpot=250"),
     "decode-heavy": (64, 128, "ttft=1000,tpot=150"),
+    "mixed": (256, 32, "ttft=2000,tpot=200"),
 }
 MODES = {
-    "disaggregated": {"mode": "disaggregated", "prefill_workers": 1, "decode_workers": 1},
+    "disaggregated": {"mode": "disaggregated", "prefill_workers": 1, "decode_workers": 1,
+                      "prefill_placement": "fixed"},
     "colocated": {"mode": "colocated", "decode_workers": 2},
+    "adaptive": {"mode": "disaggregated", "prefill_workers": 1, "decode_workers": 1,
+                 "prefill_placement": "adaptive"},
 }
+FIXED = ("disaggregated", "colocated")
 
 
 def parse_args() -> argparse.Namespace:
@@ -55,11 +66,13 @@ def jobs(n_in: int, n_out: int, num: int, vocab: int, seed: int) -> list:
     return [[r] for r in workloads.grid([n_in], [n_out], num, vocab, seed)]
 
 
-async def run_mode(mode: str, args, rates: list[float]) -> dict:
+async def run_mode(mode: str, name: str, args, rates: list[float]) -> dict:
+    """One deployment serving one workload at each rate: {rate: (summary, records)}."""
+    n_in, n_out, slo_text = WORKLOADS[name]
     settings = replace(
         ServeSettings(), model=args.model, prefill_threads=args.threads,
-        decode_threads=args.threads, port=0, metrics_port=0, max_num_seqs=64,
-        max_model_len=2048, kv_cache_memory_bytes=512 << 20, **MODES[mode],
+        decode_threads=args.threads, port=0, metrics_port=0, http_port=0, max_num_seqs=64,
+        max_model_len=2048, kv_cache_memory_bytes=512 << 20, slo=slo_text, **MODES[mode],
     )
     service = Service(settings)
     await service.start()
@@ -67,20 +80,18 @@ async def run_mode(mode: str, args, rates: list[float]) -> dict:
     try:
         async with AsyncClient(service.address) as client:
             vocab = (await client.model_info()).vocab_size
-            for name in args.workloads.split(","):
-                n_in, n_out, slo_text = WORKLOADS[name]
-                warm = jobs(n_in, n_out, 2, vocab, 10**6 + args.seed)
-                await run_jobs(grpc_send(client), warm, [0.0, 0.0], progress=False)
-                for i, rate in enumerate(rates):  # the same prompts in both modes
-                    batch = jobs(n_in, n_out, args.num_requests, vocab, args.seed * 1000 + i)
-                    times = arrivals.poisson_times(len(batch), rate, 1.0, args.seed)
-                    records, duration = await run_jobs(grpc_send(client), batch, times,
-                                                       progress=False)
-                    summary = metrics.summarize(records, duration, metrics.parse_slo(slo_text))
-                    results[(name, rate)] = (summary, records)
-                    print(f"{mode:>13} {name:>13} {rate:>5g} req/s: goodput "
-                          f"{summary.goodput:.3f}, TTFT p50 {summary.ttft.p50 * 1e3:.0f} ms, "
-                          f"TPOT p50 {summary.tpot.p50 * 1e3:.0f} ms", flush=True)
+            warm = jobs(n_in, n_out, 2, vocab, 10**6 + args.seed)
+            await run_jobs(grpc_send(client), warm, [0.0, 0.0], progress=False)
+            for i, rate in enumerate(rates):  # the same prompts in every mode
+                batch = jobs(n_in, n_out, args.num_requests, vocab, args.seed * 1000 + i)
+                times = arrivals.poisson_times(len(batch), rate, 1.0, args.seed)
+                records, duration = await run_jobs(grpc_send(client), batch, times,
+                                                   progress=False)
+                summary = metrics.summarize(records, duration, metrics.parse_slo(slo_text))
+                results[rate] = (summary, records)
+                print(f"{mode:>13} {name:>13} {rate:>5g} req/s: goodput "
+                      f"{summary.goodput:.3f}, TTFT p50 {summary.ttft.p50 * 1e3:.0f} ms, "
+                      f"TPOT p50 {summary.tpot.p50 * 1e3:.0f} ms", flush=True)
     finally:
         await service.stop()
     return results
@@ -96,7 +107,7 @@ def table(results: dict, names: list[str], rates: list[float]) -> str:
                   "attained | goodput |", "|---|---|---|---|---|---|---|---|---|"]
         for rate in rates:
             for mode in MODES:
-                s = results[mode][(name, rate)][0]
+                s = results[mode][name][rate][0]
                 lines.append(
                     f"| {rate:g} | {mode} | {s.request_throughput:.2f} | "
                     f"{s.ttft.p50 * 1e3:.0f} | {s.ttft.p99 * 1e3:.0f} | "
@@ -105,28 +116,48 @@ def table(results: dict, names: list[str], rates: list[float]) -> str:
     return "\n".join(lines)
 
 
+def verdict(results: dict, names: list[str], rates: list[float], num_requests: int) -> str:
+    """Adaptive's goodput against the better fixed mode's, per cell. One request more or less
+    within the SLO moves a cell's goodput by about its throughput / num_requests: that is the
+    resolution (the noise floor) of a cell."""
+    lines = ["\n### adaptive vs the better of disaggregated and colocated (goodput, req/s)\n",
+             "| workload | rate | adaptive | better fixed | difference | one request |",
+             "|---|---|---|---|---|---|"]
+    for name in names:
+        for rate in rates:
+            adaptive = results["adaptive"][name][rate][0]
+            best = max((results[m][name][rate][0] for m in FIXED), key=lambda s: s.goodput)
+            step = best.request_throughput / num_requests
+            lines.append(f"| {name} | {rate:g} | {adaptive.goodput:.3f} | {best.goodput:.3f} | "
+                         f"{adaptive.goodput - best.goodput:+.3f} | {step:.3f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     args = parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     names = args.workloads.split(",")
     started = time.time()
-    results = {mode: asyncio.run(run_mode(mode, args, rates)) for mode in MODES}
+    results = {mode: {name: asyncio.run(run_mode(mode, name, args, rates)) for name in names}
+               for mode in MODES}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     text = (f"CPU budget: {os.cpu_count()} cores, {args.threads} torch thread(s) per worker, "
             f"2 workers per mode; model {args.model}; {args.num_requests} requests per cell; "
-            f"Poisson arrivals, seed {args.seed}\n" + table(results, names, rates))
+            f"Poisson arrivals, seed {args.seed}\n" + table(results, names, rates)
+            + "\n" + verdict(results, names, rates, args.num_requests))
     print(text)
     (out / "table.md").write_text(text + "\n")
     (out / "results.json").write_text(json.dumps({
         "args": vars(args), "wall_s": time.time() - started,
         "results": {f"{mode}/{name}/{rate:g}": s.to_dict()
-                    for mode, per in results.items() for (name, rate), (s, _) in per.items()},
+                    for mode, per in results.items() for name, cells in per.items()
+                    for rate, (s, _) in cells.items()},
     }, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x)))
     for name in names:
-        runs = [(f"{mode} {rate:g}/s", results[mode][(name, rate)][1])
+        runs = [(f"{mode} {rate:g}/s", results[mode][name][rate][1])
                 for mode in MODES for rate in rates]
-        sweep = [(mode, [(rate, results[mode][(name, rate)][0]) for rate in rates])
+        sweep = [(mode, [(rate, results[mode][name][rate][0]) for rate in rates])
                  for mode in MODES]
         report.plot(out / f"{name}.png", runs, sweep)
     print(f"wrote {out}/table.md, results.json and one PNG per workload")

@@ -1,5 +1,5 @@
-"""Served side by side: pdserve (disaggregated and colocated) and vLLM's CPU build, all three
-behind their OpenAI HTTP APIs, driven by the same client with the same prompts.
+"""Served side by side: pdserve (disaggregated and colocated), vLLM's CPU build and llama.cpp's
+server, all behind their OpenAI HTTP APIs, driven by the same client with the same prompts.
 
 Each server runs alone, one after the other (2 cores: nothing else busy), as its own process
 started from its command line — `pdserve up` from .venv, `python -m
@@ -10,7 +10,10 @@ benchmarks/install_vllm_cpu.sh makes — on the same model directory, dtype and 
   cores, 1 prefill + 2 decode here, or `--threads` each);
 - pdserve colocated: `--colocated-workers` (1) workers that prefill their own prompts (a lone
   one gets every core);
-- vLLM: VLLM_CPU_OMP_THREADS_BIND=0-<cores-1>, VLLM_CPU_KVCACHE_SPACE=2 (GiB).
+- vLLM: VLLM_CPU_OMP_THREADS_BIND=0-<cores-1>, VLLM_CPU_KVCACHE_SPACE=2 (GiB);
+- llama.cpp (`--systems ...,llamacpp`; benchmarks/served_vs_llamacpp.py runs it by default):
+  `llama-server -np <concurrency> -t <cores>` on the same weights as a bf16 GGUF, built and
+  converted by benchmarks/install_llamacpp.sh.
 
 Workload: `pdserve bench`'s ShareGPT-like token-id prompts (seeded), `--num-requests` at a
 closed-loop `--concurrency`, every request generating exactly its output length (ignore_eos),
@@ -57,6 +60,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--slo", default="ttft=5000,tpot=200", help="milliseconds")
     p.add_argument("--systems", default="pdserve-pd,pdserve-colocated,vllm")
     p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    p.add_argument("--llamacpp-server",
+                   default=str(ROOT / ".llamacpp" / "build" / "bin" / "llama-server"),
+                   help="llama.cpp's server (benchmarks/install_llamacpp.sh builds it)")
+    p.add_argument("--llamacpp-gguf", default=None, help="the model as a GGUF (default: what "
+                   "install_llamacpp.sh converts: .llamacpp/<model dir name>-bf16.gguf)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results/serving_vs_vllm")
     return p.parse_args()
@@ -77,6 +85,11 @@ def command(system: str, args: argparse.Namespace, model_dir: str, port: int) ->
         return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
                 model_dir, "--dtype", args.dtype, "--host",
                 "127.0.0.1", "--port", str(port), "--max-model-len", "2048"], env
+    if system == "llamacpp":  # one slot per concurrent request, each the context pdserve has
+        gguf = args.llamacpp_gguf or str(ROOT / ".llamacpp" / f"{Path(model_dir).name}-bf16.gguf")
+        return [args.llamacpp_server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
+                "-np", str(args.concurrency), "-c", str(2048 * args.concurrency),
+                "-t", str(os.cpu_count() or 1)], env
     mode = (["--mode", "colocated", "--decode-workers", str(args.colocated_workers)]
             if system == "pdserve-colocated" else [])
     threads = ([] if args.threads is None else
@@ -121,10 +134,17 @@ async def measure(url: str, tokenizer, args: argparse.Namespace,
 
 
 def main() -> int:
+    args = parse_args()
+    run(args, "serving_vs_vllm")
+    return 0
+
+
+def run(args: argparse.Namespace, name: str) -> dict:
+    """Serve and measure each of `args.systems` in turn; print and write (under --out, as
+    `name`.png and results.json) what each did. Their summaries, by system."""
     from pdserve.engine.default_model import resolve_model
     from pdserve.engine.tokenizer import load_tokenizer
 
-    args = parse_args()
     model_dir = str(resolve_model(args.model))
     tokenizer = load_tokenizer(model_dir)
     slo = metrics.parse_slo(args.slo)
@@ -133,6 +153,10 @@ def main() -> int:
     for system in args.systems.split(","):
         if system == "vllm" and not Path(args.vllm_python).exists():
             print(f"vllm: {args.vllm_python} missing; run benchmarks/install_vllm_cpu.sh")
+            continue
+        if system == "llamacpp" and not Path(args.llamacpp_server).exists():
+            print(f"llamacpp: {args.llamacpp_server} missing; run "
+                  "benchmarks/install_llamacpp.sh")
             continue
         port = free_port()
         argv, env = command(system, args, model_dir, port)
@@ -147,9 +171,9 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"settings": vars(args), "results": results},
                                                  indent=2))
-    report.plot(out / "serving_vs_vllm.png", runs)
-    print(f"wrote {out}/results.json and serving_vs_vllm.png")
-    return 0
+    report.plot(out / f"{name}.png", runs)
+    print(f"wrote {out}/results.json and {name}.png")
+    return results
 
 
 def side_by_side(results: dict) -> str:

@@ -116,6 +116,13 @@ class Scheduler:
         """Whether a step would compute anything (reserved requests only wait for KV)."""
         return bool(self.running or self.waiting)
 
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens queued here and not computed yet: the waiting requests' and those of
+        running ones part-way through their prefill (KV coming from elsewhere is not).
+        Safe from another thread (a racy snapshot): the deque is copied in one step."""
+        return sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0)
+                   for queue in (tuple(self.waiting), self.running) for r in queue)
+
     @property
     def num_remote(self) -> int:
         """Requests holding blocks while their prompt KV arrives from elsewhere."""

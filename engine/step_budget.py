@@ -94,6 +94,12 @@ class StepTimeModel:
         else:  # one size so far: the mean cost per token, no intercept (over-estimates)
             self._fit = StepFit(0.0, self._mean_seconds / self._mean_tokens)
 
+    @property
+    def slope_fitted(self) -> bool:
+        """Whether the line's slope comes from steps of clearly different sizes (else it is
+        the mean cost per token: what a step of the usual size costs, not a marginal rate)."""
+        return self._slope is not None
+
     def fit(self) -> StepFit | None:
         """The current line: through the origin and the mean step until steps of clearly
         different sizes were timed; None before any step was."""

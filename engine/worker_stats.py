@@ -23,7 +23,12 @@ KV_TIER_FIELDS: tuple[str, ...] = (
     "kv_block_bytes", "num_kv_host_blocks", "num_kv_disk_blocks", "num_kv_host_hits",
     "num_kv_disk_hits", "num_kv_stores", "num_kv_demotions", "num_kv_promotions",
     "num_kv_failed_promotions", "num_kv_tier_evictions", "kv_tier_saved_s",
-    "kv_host_load_s", "kv_disk_load_s", "prefill_s_per_token",
+    "kv_host_load_s", "kv_disk_load_s",
+)
+# ... and its steps' (the router prices where a prompt is prefilled with them)
+STEP_FIELDS: tuple[str, ...] = (
+    "step_token_budget", "prefill_s_per_token", "step_intercept_s", "step_slope_fitted",
+    "num_prefill_tokens",
 )
 
 
@@ -45,7 +50,15 @@ class WorkerStats:
     quantization: str = ""  # the weights' ("" = dense)
     weight_bytes: int = 0  # this rank's weights as held
     lora_adapters: tuple[str, ...] = ()  # the LoRA adapters it holds
-    step_token_budget: int = 0  # what its next step may compute (Scheduler.step_token_budget)
+    # Its steps: what the next may compute (Scheduler.step_token_budget); the step-time fit's
+    # line (a step of n tokens lasts step_intercept_s + prefill_s_per_token * n; the slope is a
+    # marginal rate only with step_slope_fitted, else the mean cost per token); and the prompt
+    # tokens queued here not computed yet (waiting, or part-way through their prefill)
+    step_token_budget: int = 0
+    prefill_s_per_token: float = 0.0
+    step_intercept_s: float = 0.0
+    step_slope_fitted: bool = False
+    num_prefill_tokens: int = 0
     # KV tiers (engine.kv_tiers), 0 without them: one block's bytes, blocks held now, then
     # cumulative counts in blocks (TierStats)
     kv_block_bytes: int = 0
@@ -60,11 +73,9 @@ class WorkerStats:
     num_kv_tier_evictions: int = 0  # left the last tier
     kv_tier_saved_s: float = 0.0  # prefill time the host hits saved (SchedulerStats)
     # What a tier hit costs here, as measured (0: not yet): seconds to load one block from
-    # host, to read one back from disk, and to prefill one token (the step-time model's slope,
-    # reported with or without tiers: a prefix pull is priced against it too)
+    # host and to read one back from disk (a hit saves prefill_s_per_token a token)
     kv_host_load_s: float = 0.0
     kv_disk_load_s: float = 0.0
-    prefill_s_per_token: float = 0.0
     # Prompt tokens pulled from another decode worker, and those whose pull failed (computed
     # here after all): SchedulerStats
     num_pulled_tokens: int = 0
@@ -77,6 +88,10 @@ class WorkerStats:
     def kv_tier_counts(self) -> dict[str, float]:
         """The KV tier fields by name, as WorkerLoad takes them."""
         return {name: getattr(self, name) for name in KV_TIER_FIELDS}
+
+    def step_counts(self) -> dict[str, float]:
+        """Its steps' fields by name, as WorkerLoad takes them."""
+        return {name: getattr(self, name) for name in STEP_FIELDS}
 
     @classmethod
     def from_core(cls, core: EngineCore, num_reserved: int = 0) -> WorkerStats:
@@ -100,6 +115,9 @@ class WorkerStats:
             lora_adapters=core.runner.loras.loaded if core.runner.loras is not None else (),
             step_token_budget=scheduler.step_token_budget(),
             prefill_s_per_token=fit.per_token_s if (fit := scheduler.step_time.fit()) else 0.0,
+            step_intercept_s=fit.intercept_s if fit else 0.0,
+            step_slope_fitted=scheduler.step_time.slope_fitted,
+            num_prefill_tokens=scheduler.num_prefill_tokens(),
             num_pulled_tokens=scheduler.stats.num_pulled_tokens,
             num_failed_pull_tokens=scheduler.stats.num_failed_pull_tokens,
             **_tier_counts(core),

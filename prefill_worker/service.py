@@ -105,8 +105,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             num_cached_blocks=s.num_cached_blocks, max_num_seqs=s.max_num_seqs,
             block_size=s.block_size, tp_size=s.tp_size, quantization=s.quantization,
             weight_bytes=s.weight_bytes, lora_adapters=s.lora_adapters,
-            step_token_budget=s.step_token_budget,
-            num_computed_tokens=s.num_computed_tokens, **s.kv_tier_counts(),
+            num_computed_tokens=s.num_computed_tokens, **s.kv_tier_counts(), **s.step_counts(),
         )
 
 

@@ -52,8 +52,9 @@ class DecodeClient(WorkerClient):
         self._mailboxes: dict[str, Mailbox] = {}
         self._outputs: grpc.aio.UnaryStreamCall | None = None  # the current Outputs stream
         self._streaming = False  # ... has delivered a message
-        self._sent = (0, 0)  # (blocks, requests) the router has sent here, ever
-        self._sent_before_load = (0, 0)  # ... before it asked for the load it holds
+        # (blocks, requests, prompt tokens to prefill here) the router has sent here, ever
+        self._sent = (0, 0, 0)
+        self._sent_before_load = (0, 0, 0)  # ... before it asked for the load it holds
         self.feeding: set[asyncio.Task] = set()  # prefills pushing KV here (Placer)
 
     def start(self) -> None:
@@ -120,15 +121,18 @@ class DecodeClient(WorkerClient):
         except ABORT_MISSES:
             return False
 
-    def note_sent(self, num_blocks: int) -> None:
-        """A request is on its way here: count it until a load report includes it."""
-        self._sent = (self._sent[0] + num_blocks, self._sent[1] + 1)
+    def note_sent(self, num_blocks: int, num_requests: int = 1,
+                  num_prefill_tokens: int = 0) -> None:
+        """A request is on its way here (and `num_prefill_tokens` of its prompt to prefill
+        here): count it until a load report includes it."""
+        sent = (num_blocks, num_requests, num_prefill_tokens)
+        self._sent = tuple(a + b for a, b in zip(self._sent, sent))
 
     @property
-    def num_pending(self) -> tuple[int, int]:
-        """(blocks, requests) sent since the load report was asked for: not in it yet."""
-        return (self._sent[0] - self._sent_before_load[0],
-                self._sent[1] - self._sent_before_load[1])
+    def num_pending(self) -> tuple[int, int, int]:
+        """(blocks, requests, prompt tokens to prefill) sent since the load report was asked
+        for: not in it yet."""
+        return tuple(a - b for a, b in zip(self._sent, self._sent_before_load))
 
     async def _get_load(self) -> worker_pb2.WorkerLoad:
         sent = self._sent

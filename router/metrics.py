@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import start_http_server
 
 from pdserve import defaults
+from pdserve.router.disaggregation import LOCAL, REASONS, REMOTE, Decision
 from pdserve.router.histogram import CountingHistogram
 from pdserve.router.metrics_kv_tiers import KVTierMetrics
 from pdserve.router.metrics_merge import merge_families, parse
@@ -146,6 +147,21 @@ class RouterMetrics:
         self.pull_saved_seconds = Counter(
             "pdserve_kv_pull_saved_seconds", "Prefill time pulled prefixes saved: their tokens at "
             "the measured prefill rate, less the pulls' own time.", registry=reg)
+        self.placements = Counter(
+            "pdserve_prefill_placements", "Where prompts were prefilled with adaptive placement "
+            "(remote: a prefill worker; local: their decode worker), by the reason "
+            "(router/disaggregation.py).", ["where", "reason"], registry=reg)
+        for where in (REMOTE, LOCAL):
+            for reason in REASONS:
+                self.placements.labels(where, reason)
+        self.predicted_ttft = Histogram(
+            "pdserve_predicted_ttft_seconds", "The TTFT adaptive placement predicted for where it "
+            "prefilled a prompt (from the workers' measured step times).", ["where"],
+            buckets=LATENCY_BUCKETS, registry=reg)
+        self.predicted_tpot = Histogram(
+            "pdserve_predicted_tpot_seconds", "The decode batch's TPOT adaptive placement "
+            "predicted while a prompt it placed is prefilled.", ["where"], buckets=ITL_BUCKETS,
+            registry=reg)
         self.migrations = Counter(
             "pdserve_router_migrations", "Requests moved to another decode worker after theirs "
             "died mid-stream, by outcome (failed: no decode worker could take it).",
@@ -235,6 +251,14 @@ class RouterMetrics:
         self.pulls.labels(result).inc()
         self.pull_bytes.inc(num_bytes)
         self.pull_saved_seconds.inc(max(saved_s, 0.0))
+
+    def observe_placement(self, decision: Decision) -> None:
+        """One prompt placed by adaptive placement, and what it predicted (when measured)."""
+        self.placements.labels(decision.where, decision.reason).inc()
+        if decision.ttft_s is not None:
+            self.predicted_ttft.labels(decision.where).observe(decision.ttft_s)
+        if decision.tpot_s is not None:
+            self.predicted_tpot.labels(decision.where).observe(decision.tpot_s)
 
     def count_migration(self, outcome: str) -> None:
         if outcome not in MIGRATION_OUTCOMES:

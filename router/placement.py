@@ -12,6 +12,9 @@ deadline. An attempt that fails for a reason another attempt may not meet (a pre
 lost mid-prompt, a KV transfer the decode side failed, a reservation that expired) is undone
 on the decode side and placed again, under a fresh worker-side id, at most MAX_ATTEMPTS times.
 An Abort is honoured at every step: the flight is re-checked after every await.
+
+Why one file: every step (choose, prefill here or there, pull, retry, undo) acts on one
+flight and its attempt's decode worker; split, each failure path's undo would cross files.
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ import grpc
 
 from pdserve.engine.block_hash import chain_root, hash_blocks
 from pdserve.engine.lora_request import LoRARequest
+from pdserve.engine.step_budget import StepFit
 from pdserve.proto import pdserve_pb2, worker_pb2
 from pdserve.router.config import RouterConfig
 from pdserve.router.decode_client import DecodeClient
+from pdserve.router.disaggregation import LOCAL, Option, decide
 from pdserve.router.flight import Flight, Placement, new_worker_request_id
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import (
@@ -182,27 +187,27 @@ class Placer:
             placement.session_hit = shared_prefix_len(session.token_ids, prompt)
         elif session is not None:
             pull = self.pulls.choose(req, session, decode, deadline)
-        local = placement.session_hit or (pull.num_tokens if pull else 0)
-        if self.config.colocated or local and prefill_locally(
-                len(prompt), local, self.config.max_local_prefill_tokens):
+        held = placement.session_hit or (pull.num_tokens if pull else 0)
+        try:
+            prefill, hits = await self._where_to_prefill(req, prompt, decode, held, lost_prefill,
+                                                         pull.predicted_s if pull else 0.0)
+        except (WorkerLost, TTFTUnmeetable):  # nothing reached the decode worker: nothing to free
+            decode.close_request(rid)
+            flight.decode = None
+            raise
+        if prefill is None:
             submit = worker_pb2.SubmitRequest(
                 request_id=rid, prompt_token_ids=prompt, sampling=sampling,
                 num_output_tokens=req.num_output_tokens, lora=lora_to_proto(req.lora))
             if pull is not None:
                 submit.pull_sources.append(pull.source)
                 submit.num_pull_tokens, submit.pull_deadline = pull.num_tokens, pull.deadline
+            decode.note_sent(0, 0, len(prompt) - held)
             reply = await decode.submit(submit)
             _check(flight)
             if reply.granted and pull is not None:
                 await self.pulls.run(req, rid, pull, reply.pull_descriptor)
             return reply.granted
-        try:
-            prefill, hits = await self.choose_prefill(  # a migrated request streamed already
-                prompt, lost_prefill, req.lora, may_reject=not req.num_output_tokens)
-        except (WorkerLost, TTFTUnmeetable):  # nothing reached the decode worker: nothing to free
-            decode.close_request(rid)
-            flight.decode = None
-            raise
         _check(flight)
         wall_deadline = time.time() + max(deadline - time.monotonic(), 0.0)
         decode_sampling = pdserve_pb2.SamplingParams()
@@ -284,12 +289,50 @@ class Placer:
         decode.note_sent(info.num_blocks_needed)
         return decode
 
+    async def _where_to_prefill(self, req: ValidRequest, prompt: list[int],
+                                decode: DecodeClient, held: int, lost_prefill: set[str],
+                                pull_s: float = 0.0) -> tuple[PrefillClient | None, int]:
+        """(None, 0): `decode`, which holds the prompt's first `held` tokens (a session's, or
+        a pull's, landing in `pull_s` as predicted), prefills it; else the prefill worker that
+        does and its prefix hit there.
+        Fixed placement is local only for a short uncached tail; adaptive placement asks
+        router.disaggregation, that rule serving until the workers' step times are measured.
+        TTFTUnmeetable: early rejection refuses the request (a migrated one never is)."""
+        config = self.config
+        fixed_local = bool(held) and prefill_locally(len(prompt), held,
+                                                     config.max_local_prefill_tokens)
+        if config.colocated or fixed_local and config.prefill_placement == "fixed":
+            return None, 0
+        try:
+            prefill, hits, miss_s = await self.choose_prefill(prompt, lost_prefill, req.lora)
+        except WorkerLost:
+            if fixed_local:  # no prefill worker is up: the decode worker can take the tail
+                return None, 0
+            raise
+        local, local_ttft_s = fixed_local, None
+        if config.prefill_placement == "adaptive":
+            decision = decide(_prefill_option(prefill, len(prompt) - hits),
+                              _decode_option(decode, len(prompt) - held, pull_s), fixed_local,
+                              config.ttft_slo_s, config.tpot_slo_s)
+            self.metrics.observe_placement(decision)
+            logger.debug("%s: prefill %s on %s (%s); predicted TTFT %s s, TPOT %s s",
+                         req.request_id, decision.where, decision.worker_id, decision.reason,
+                         _g(decision.ttft_s), _g(decision.tpot_s))
+            local, local_ttft_s = decision.where == LOCAL, decision.ttft_s
+        if miss_s is not None and not req.num_output_tokens:  # a migrated one streamed already
+            if not local:
+                raise TTFTUnmeetable(miss_s, config.ttft_slo_s)
+            if local_ttft_s is not None and local_ttft_s > config.ttft_slo_s:
+                raise TTFTUnmeetable(min(miss_s, local_ttft_s - config.ttft_slo_s),
+                                     config.ttft_slo_s)
+        return (None, 0) if local else (prefill, hits)
+
     async def choose_prefill(self, prompt: list[int], excluded: set[str] = frozenset(),
-                             lora: LoRARequest | None = None,
-                             may_reject: bool = False) -> tuple[PrefillClient, int]:
-        """The prefill worker for this prompt (run with `lora`) and its prefix-cache hit there
-        (tokens); `may_reject`: TTFTUnmeetable when early rejection is on and every one is
-        predicted to miss the TTFT SLO."""
+                             lora: LoRARequest | None = None
+                             ) -> tuple[PrefillClient, int, float | None]:
+        """The prefill worker for this prompt (run with `lora`), its prefix-cache hit there
+        (tokens) and, with early rejection on, by how many seconds every prefill worker is
+        predicted to miss the TTFT SLO (None: some may meet it)."""
         up = [c for c in self.prefill.values() if c.in_rotation and c.worker_id not in excluded]
         if not up:
             raise WorkerLost("no prefill worker is up")
@@ -304,13 +347,12 @@ class Placer:
                              _adapters(c)) for c in up]
         info = RoutingInfo(len(prompt), 0, prefix_hits=hits,
                            lora_name=lora.lora_name if lora is not None else None)
-        if may_reject and self.config.early_rejection:
+        miss_s = None
+        if self.config.early_rejection:
             rates = {c.worker_id: c.load.prefill_s_per_token if c.load else None for c in up}
-            retry_after_s = early_rejection(loads, info, rates, self.config.ttft_slo_s)
-            if retry_after_s is not None:
-                raise TTFTUnmeetable(retry_after_s, self.config.ttft_slo_s)
+            miss_s = early_rejection(loads, info, rates, self.config.ttft_slo_s)
         chosen = choose_prefill(loads, info)
-        return self.prefill[chosen], hits.get(chosen, 0)
+        return self.prefill[chosen], hits.get(chosen, 0), miss_s
 
 
 def _prefill_error(prefill: PrefillClient, exc: grpc.aio.AioRpcError) -> Exception:
@@ -334,6 +376,46 @@ def _decode_load(c: DecodeClient) -> DecodeLoad:
     return DecodeLoad(c.worker_id, c.load.num_blocks, c.load.num_free_blocks - c.num_pending[0],
                       c.load.num_running + c.load.num_waiting + c.num_pending[1],
                       c.load.max_num_seqs, _adapters(c))
+
+
+def _prefill_option(c: PrefillClient, num_uncached_tokens: int) -> Option:
+    """A prefill worker as the place to prefill a prompt (router.disaggregation): its queue is
+    the router's own count of the uncached tokens it sent there. Its steps are prompts, so
+    even its mean cost per token (no slope fitted yet) prices one."""
+    load = c.load
+    return Option(c.worker_id, c.num_inflight_tokens, num_uncached_tokens,
+                  _line(load, fitted_only=False), _budget(load))
+
+
+def _decode_option(c: DecodeClient, num_uncached_tokens: int, wait_s: float) -> Option:
+    """The decode worker as the place to prefill a prompt, after `wait_s` (a prefix it pulls):
+    its queue is the prompt tokens it reported queued plus those sent since, beside the
+    sequences running there. Its mean cost per token is over its decode steps and prices no
+    prompt: it has no line until its slope is fitted."""
+    load = c.load
+    _, requests, tokens = c.num_pending  # this request among the requests
+    queued, running = (load.num_prefill_tokens, load.num_running) if load else (0, 0)
+    return Option(c.worker_id, queued + tokens, num_uncached_tokens,
+                  _line(load, fitted_only=True), _budget(load),
+                  num_decoding=running + max(requests - 1, 0), wait_s=wait_s)
+
+
+def _line(load: worker_pb2.WorkerLoad | None, fitted_only: bool) -> StepFit | None:
+    """The step-time line a worker last reported (None: none, or no fitted slope when
+    `fitted_only`)."""
+    if load is None or not load.prefill_s_per_token > 0:
+        return None
+    if fitted_only and not load.step_slope_fitted:
+        return None
+    return StepFit(max(load.step_intercept_s, 0.0), load.prefill_s_per_token)
+
+
+def _budget(load: worker_pb2.WorkerLoad | None) -> int:
+    return max(load.step_token_budget, 1) if load is not None else 1
+
+
+def _g(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.3g}"
 
 
 def _tier_costs(load: worker_pb2.WorkerLoad | None) -> TierCosts:

@@ -46,6 +46,7 @@ class Pull:
     num_tokens: int
     deadline: float  # time.time()
     prefill_s_per_token: float | None  # what recomputing them would cost, as measured
+    predicted_s: float = 0.0  # how long it takes, at the pulls' measured cost (0: unmeasured)
 
 
 class PrefixPulls:
@@ -75,12 +76,12 @@ class PrefixPulls:
                                  PullCosts(self.pull_s_per_block, rate))
         if not num_tokens:
             return None
-        wait_s = deadline - time.monotonic()
+        wait_s, predicted = deadline - time.monotonic(), 0.0
         if self.pull_s_per_block is not None:
             predicted = self.pull_s_per_block * num_tokens / self.config.block_size
             wait_s = min(wait_s, 2 * predicted + PULL_SLACK_S)
         return Pull(holder, holder.load.kv_source, num_tokens, time.time() + max(wait_s, 0.0),
-                    rate)
+                    rate, predicted)
 
     def prefill_s_per_token(self, decode: DecodeClient) -> float | None:
         """What recomputing a prompt token costs, as measured: on the fastest prefill worker

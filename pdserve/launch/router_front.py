@@ -72,7 +72,8 @@ def router_spec(s, model_path: str, model_name: str, redis_url: str, tls: TLSFil
         kv_transfer_timeout_s=s.kv_transfer_timeout_s, outputs_silence_s=s.worker_silence_s,
         max_local_prefill_tokens=s.max_local_prefill_tokens,
         migration_limit=s.migration_limit, colocated=s.mode == "colocated",
-        ttft_slo_s=s.ttft_slo_s(), early_rejection=s.early_rejection,
+        prefill_placement=s.prefill_placement, ttft_slo_s=s.ttft_slo_s(),
+        tpot_slo_s=s.tpot_slo_s(), early_rejection=s.early_rejection,
     )
     limits = RequestLimits(s.max_stop_strings, s.max_stop_string_chars, s.max_stop_token_ids)
     return RouterSpec(

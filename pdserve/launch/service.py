@@ -152,12 +152,14 @@ class Service:
     def _num_prefill(self) -> int:
         return 0 if self.settings.mode == "colocated" else self.settings.prefill_workers
 
-    def _prefill_policy(self, role: str) -> dict[str, Any]:
-        """A prefill worker's steps sized in time and its queue order; others keep the token
-        budget and arrival order (a decode step's length is its batch's, not a target's)."""
+    def _step_policy(self, role: str) -> dict[str, Any]:
+        """A prefill worker's steps sized in time and its queue order. A decode worker keeps
+        arrival order and its token budget, but under a TPOT SLO a step that prefills a
+        prompt beside the batch's decodes is sized to last about that long (Sarathi's
+        stall-free chunks): a local prefill then spares the batch's TPOT."""
         s = self.settings
         if role != "prefill":
-            return {}
+            return {"step_target_s": s.tpot_slo_s()}
         return {"step_target_s": s.prefill_step_ms / 1e3 or None,
                 "scheduling_policy": s.scheduling_policy}
 
@@ -208,7 +210,7 @@ class Service:
                 kv_cache_dtype=s.kv_cache_dtype, enable_prefix_caching=s.enable_prefix_caching,
                 quantization=s.quantization, quantization_group_size=s.quantization_group_size,
                 max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-                **self._prefill_policy(role),
+                **self._step_policy(role),
                 device=s.device, kernel_backend=s.kernel_backend, seed=s.seed,
                 enforce_eager=s.enforce_eager or role == "prefill",  # prompts: no graph gains
                 cuda_graph_sizes=s.graph_sizes(),

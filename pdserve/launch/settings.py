@@ -3,6 +3,9 @@
 One table (the dataclass fields) drives all three: the field `max_num_seqs` is the flag
 `--max-num-seqs`, the variable `PDSERVE_MAX_NUM_SEQS` and the YAML key `max_num_seqs`.
 Precedence: flag > environment > config file (`--config` / `PDSERVE_CONFIG`) > default.
+
+Why one file: the table is the one place a setting is declared, documented and checked;
+split, a setting could be declared twice or checked in neither half.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import defaults
-from pdserve.bench.metrics import parse_slo
+from pdserve.bench.metrics import SLO, parse_slo
 from pdserve.engine.config import CacheConfig, LoRAConfig, check_cuda_graph_sizes
 from pdserve.engine.spec.config import parse_speculative_config
 from pdserve.redis_keys import DEFAULT_NAMESPACE
+from pdserve.router.config import PREFILL_PLACEMENTS
 from pdserve.router.lora_adapters import parse_lora_modules
 from pdserve.router.tools import TOOL_PARSERS
 from pdserve.tls import TLSFiles
@@ -146,12 +150,20 @@ class ServeSettings:
     max_inflight_requests: int = _opt(256, "requests dispatched to workers at once")
     max_queued_requests: int = _opt(1024, "requests waiting for admission before refusing")
     kv_transfer_timeout_s: float = _opt(30.0, "deadline of one prompt's prefill + KV transfer")
+    prefill_placement: str = _opt(
+        "adaptive", "where a prompt is prefilled (disaggregated mode): adaptive (per request, "
+        "on a prefill worker or on its decode worker between decode steps, whichever the "
+        "workers' measured step times predict gives the first token sooner without costing "
+        "the decode batch more than it saves, or its TPOT more than the SLO's tpot) | fixed "
+        "(always a prefill worker, but for max_local_prefill_tokens)")
     max_local_prefill_tokens: int = _opt(
-        256, "a session's decode worker prefills up to this many uncached tokens itself"
+        256, "a session's decode worker prefills up to this many uncached tokens itself (with "
+        "adaptive placement: until the workers' step times are measured)"
     )
     slo: str | None = _opt(
         None, "the service's latency SLO, e.g. ttft=2000,tpot=200 (milliseconds): what "
-        "--early-rejection holds a request's first token to")
+        "--early-rejection holds a request's first token to, what adaptive placement spares "
+        "its TPOT for, and (tpot) how long a decode step prefilling a prompt may last")
     early_rejection: bool = _opt(
         False, "refuse a request at once, RESOURCE_EXHAUSTED / 429 with a retry hint "
         "(grpc-retry-pushback-ms / Retry-After), when every prefill worker is predicted to miss "
@@ -205,6 +217,9 @@ class ServeSettings:
                              f"{self.scheduling_policy!r}")
         if self.mode not in ("disaggregated", "colocated"):
             raise ValueError(f"mode must be disaggregated or colocated, got {self.mode!r}")
+        if self.prefill_placement not in PREFILL_PLACEMENTS:
+            raise ValueError(f"prefill_placement must be adaptive or fixed, got "
+                             f"{self.prefill_placement!r}")
         for name in ("port", "metrics_port", "http_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
@@ -237,10 +252,19 @@ class ServeSettings:
     def ttft_slo_s(self) -> float | None:
         """The SLO's TTFT bound in seconds (None: no SLO, or none on TTFT); ValueError naming
         `slo` when it does not parse."""
+        slo = self._slo()
+        return slo.ttft_s if slo is not None else None
+
+    def tpot_slo_s(self) -> float | None:
+        """The SLO's TPOT bound in seconds, as `ttft_slo_s`."""
+        slo = self._slo()
+        return slo.tpot_s if slo is not None else None
+
+    def _slo(self) -> SLO | None:
         if self.slo is None:
             return None
         try:
-            return parse_slo(self.slo).ttft_s
+            return parse_slo(self.slo)
         except ValueError as exc:
             raise ValueError(f"slo: {exc}") from None
 

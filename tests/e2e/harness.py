@@ -23,12 +23,18 @@ MAX_INFLIGHT, MAX_QUEUED = 16, 16  # 32 concurrent streams are all admitted
 
 
 def tiny_settings(model_dir, ray_address: str, **overrides) -> ServeSettings:
-    """Small, fast settings for the tiny test checkpoint; every port picked free."""
+    """Small, fast settings for the tiny test checkpoint; every port picked free. The tiny
+    model's cost per token is lost in timing noise, so a placement decided from measured step
+    times would be arbitrary on it: these settings keep the fixed rule (every prompt on a
+    prefill worker, but a session's short tail), which the tests check; adaptive placement is
+    tested where its inputs are fixed (tests/unit/test_disaggregation.py,
+    tests/workers/test_adaptive_placement.py) or on SmolLM2 (tests/e2e/test_burst.py)."""
     base = ServeSettings(
         model=str(model_dir), max_model_len=512, num_kv_blocks=256, max_num_seqs=32,
         max_num_batched_tokens=512, prefill_threads=1, decode_threads=1, port=0,
         metrics_port=0, http_port=0, ray_address=ray_address, kv_transfer_timeout_s=20.0,
         router_processes=1,  # whatever the machine's cores: tests count one router's metrics
+        prefill_placement="fixed",
     )
     return replace(base, **overrides)
 

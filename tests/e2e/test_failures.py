@@ -46,7 +46,7 @@ def addresses(service) -> dict[str, str]:
 
 def prefix_owner(service, prompt: list[int]) -> tuple[str, int]:
     """Where the router would prefill `prompt`, and its prefix hit there (tokens)."""
-    client, hit = service.run(service.router.placer.choose_prefill(prompt))
+    client, hit, _ = service.run(service.router.placer.choose_prefill(prompt))
     return client.worker_id, hit
 
 

@@ -23,6 +23,8 @@ class FixedLine:
     """A step-time model that has learnt 1 ms + 1 ms a token and learns nothing more (slow
     enough that a token more of work outweighs the microseconds between arrivals)."""
 
+    slope_fitted = True
+
     def observe(self, num_tokens: int, seconds: float) -> None:
         pass
 

@@ -59,7 +59,8 @@ def test_config_and_settings_need_a_ttft_bound():
         ServeSettings(early_rejection=True, slo="tpot=50")  # a bound, but not on TTFT
     with pytest.raises(ValueError, match="slo: "):
         ServeSettings(slo="ttft=soon")
-    assert ServeSettings(slo="ttft=250,tpot=50", early_rejection=True).ttft_slo_s() == 0.25
+    settings = ServeSettings(slo="ttft=250,tpot=50", early_rejection=True)
+    assert (settings.ttft_slo_s(), settings.tpot_slo_s()) == (0.25, 0.05)
     assert ServeSettings().ttft_slo_s() is None and not ServeSettings().early_rejection
 
 

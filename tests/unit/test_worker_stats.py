@@ -12,7 +12,7 @@ from pdserve.engine.block_hash import hash_blocks
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_tiers import KVTiers, TierResults, TierStats
 from pdserve.engine.step_budget import StepFit
-from pdserve.engine.worker_stats import KV_TIER_FIELDS, WorkerStats
+from pdserve.engine.worker_stats import KV_TIER_FIELDS, STEP_FIELDS, WorkerStats
 from pdserve.kvtransfer.descriptor import Endpoint
 from pdserve.prefill_worker.service import PrefillServicer
 from pdserve.proto import worker_pb2
@@ -27,8 +27,9 @@ def fake_core(tiers: KVTiers | None, pool: BlockPool) -> SimpleNamespace:
                             num_draft_tokens=0, num_accepted_tokens=0, tier_saved_s=2.5,
                             num_pulled_tokens=48, num_failed_pull_tokens=16)
     scheduler = SimpleNamespace(running=[], waiting=[], stats=stats,
-                                step_token_budget=lambda: 512,
-                                step_time=SimpleNamespace(fit=lambda: StepFit(0.01, 0.0002)))
+                                step_token_budget=lambda: 512, num_prefill_tokens=lambda: 77,
+                                step_time=SimpleNamespace(fit=lambda: StepFit(0.003, 0.0002),
+                                                          slope_fitted=True))
     kv_cache = SimpleNamespace(pool=pool, num_free_blocks=pool.num_free_blocks, tiers=tiers)
     config = SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=8),
                              cache=SimpleNamespace(block_size=BS),
@@ -69,22 +70,27 @@ def test_from_core_reports_the_tiers() -> None:
         "num_kv_host_hits": 11, "num_kv_disk_hits": 7, "num_kv_stores": 3,
         "num_kv_demotions": 5, "num_kv_promotions": 6, "num_kv_failed_promotions": 2,
         "num_kv_tier_evictions": 9, "kv_tier_saved_s": 2.5, "kv_host_load_s": 0.001,
-        "kv_disk_load_s": 0.0, "prefill_s_per_token": 0.0002}
-    assert (s.num_computed_tokens, s.step_token_budget) == (1234, 512)
+        "kv_disk_load_s": 0.0}
+    assert s.num_computed_tokens == 1234
 
 
 def test_from_core_reports_zeros_without_tiers() -> None:
     s = WorkerStats.from_core(fake_core(None, BlockPool(16)))
-    # the prefill rate prices a prefix pull too: measured with or without tiers
-    assert s.kv_tier_counts() == dict.fromkeys(KV_TIER_FIELDS, 0) | {
-        "prefill_s_per_token": 0.0002}
+    assert s.kv_tier_counts() == dict.fromkeys(KV_TIER_FIELDS, 0)
+    # the steps' line and queue are measured with or without tiers
+    assert s.step_counts() == {"step_token_budget": 512, "prefill_s_per_token": 0.0002,
+                               "step_intercept_s": 0.003, "step_slope_fitted": True,
+                               "num_prefill_tokens": 77}
     assert s.num_computed_tokens == 1234 and s.num_blocks == 16
     assert (s.num_pulled_tokens, s.num_failed_pull_tokens) == (48, 16)
 
 
+NUMBERS = tuple(name for name in (*KV_TIER_FIELDS, *STEP_FIELDS) if name != "step_slope_fitted")
+
+
 def _stats() -> WorkerStats:
     """A load whose every count is distinct."""
-    tiers = {name: 100 + i for i, name in enumerate(KV_TIER_FIELDS)}
+    tiers = {name: 100 + i for i, name in enumerate(NUMBERS)} | {"step_slope_fitted": True}
     return WorkerStats(num_blocks=64, num_free_blocks=60, num_cached_blocks=3, num_running=1,
                        num_waiting=0, num_reserved=0, num_computed_tokens=5000, max_num_seqs=8,
                        block_size=BS, tp_size=1, num_spec_verifications=0, num_draft_tokens=0,
@@ -93,7 +99,8 @@ def _stats() -> WorkerStats:
 
 
 def _load_fields(load) -> dict[str, int]:
-    return {name: getattr(load, name) for name in ("num_computed_tokens", *KV_TIER_FIELDS)}
+    return {name: getattr(load, name)
+            for name in ("num_computed_tokens", *KV_TIER_FIELDS, *STEP_FIELDS)}
 
 
 PULLED = ("num_pulled_tokens", "num_failed_pull_tokens")
@@ -101,8 +108,9 @@ PULLED = ("num_pulled_tokens", "num_failed_pull_tokens")
 
 def test_both_services_put_the_counts_into_their_load() -> None:
     stats = _stats()
-    expected = {"num_computed_tokens": 5000, **stats.kv_tier_counts()}
-    assert sorted(expected.values()) == [*range(100, 100 + len(KV_TIER_FIELDS)), 5000]
+    expected = {"num_computed_tokens": 5000, **stats.kv_tier_counts(), **stats.step_counts()}
+    assert sorted(expected[name] for name in NUMBERS) == [*range(100, 100 + len(NUMBERS))]
+    assert expected["step_slope_fitted"] is True
     worker = SimpleNamespace(stats=lambda: stats, is_alive=lambda: True)
     prefill = PrefillServicer(worker, "prefill-0")
     assert _load_fields(prefill.GetLoad(None, None)) == expected
@@ -121,5 +129,5 @@ def test_both_services_put_the_counts_into_their_load() -> None:
 def test_tier_stats_fields_are_all_reported() -> None:
     # a count the tiers gain must reach the load report too (besides the TierStats counts:
     # the block bytes, the blocks each tier holds, the scheduler's saved seconds, and the
-    # measured costs: host load, disk read, prefill per token)
-    assert len(dataclasses.fields(TierStats)) + 7 == len(KV_TIER_FIELDS)
+    # measured costs: host load, disk read)
+    assert len(dataclasses.fields(TierStats)) + 6 == len(KV_TIER_FIELDS)

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import grpc
 import httpx
 import pytest
 
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
@@ -27,7 +29,7 @@ from pdserve.router.openai.server import HTTPServer
 from pdserve.router.placement import TTFTUnmeetable
 from pdserve.router.router import Router
 from pdserve.router.server import RouterServer
-from pdserve.router.validation import ModelContext
+from pdserve.router.validation import ModelContext, ValidRequest
 from tests.faults.worker_plane import start_decode, start_prefill, worker_spec
 from tests.workers.pd import SECRET
 
@@ -86,14 +88,20 @@ async def serve(model, plane):
                 await asyncio.sleep(0.05)
             refused = await generate(stub, 1)
             # a migrated request (its tokens already streamed) is never rejected early
-            prompt = [t + 3 for t in PROMPT]
-            kept, _ = await router.placer.choose_prefill(prompt, may_reject=False)
+            fresh = ValidRequest("r3", tuple(t + 3 for t in PROMPT),
+                                 SamplingParams(max_tokens=2), "")
+            migrated = replace(fresh, num_output_tokens=1)
+            placer, decode = router.placer, router.decode["decode-0"]
+            _, _, miss_s = await placer.choose_prefill(list(fresh.prompt_token_ids))
             with pytest.raises(TTFTUnmeetable):
-                await router.placer.choose_prefill(prompt, may_reject=True)
+                await placer._where_to_prefill(fresh, list(fresh.prompt_token_ids), decode, 0,
+                                               set())
+            kept, _ = await placer._where_to_prefill(
+                migrated, list(migrated.prompt_token_ids), decode, 0, set())
         async with httpx.AsyncClient(timeout=CALL_S) as client:
             answer = await client.post(f"{http.url}/v1/completions", json={
                 "model": "tiny", "prompt": [t + 2 for t in PROMPT], "max_tokens": 2})
-        return unmeasured, refused, answer, kept.worker_id
+        return unmeasured, refused, answer, kept.worker_id, miss_s
     finally:
         await http.stop()
         await server.stop(grace=0)
@@ -102,8 +110,8 @@ async def serve(model, plane):
 
 def test_a_request_predicted_to_miss_the_ttft_slo_is_refused_at_once(tiny_llama_dir, plane):
     model = ModelContext.load(str(tiny_llama_dir), "tiny", max_model_len=512)
-    unmeasured, (code, trailers), answer, kept = asyncio.run(serve(model, plane))
-    assert kept == "prefill-0"
+    unmeasured, (code, trailers), answer, kept, miss_s = asyncio.run(serve(model, plane))
+    assert kept == "prefill-0" and miss_s > 0
     assert unmeasured == ("ok", {})
     assert code == "RESOURCE_EXHAUSTED"
     assert int(trailers["grpc-retry-pushback-ms"]) >= 1

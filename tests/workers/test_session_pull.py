@@ -95,7 +95,8 @@ async def serve(model, plane, redis_server, metrics, first, late=None, lose_pref
     turn1 = list(range(first, first + TURN1))
     prefill, decodes = plane
     store = RedisStore(redis_server.url, namespace="pull", timeout_s=2.0)
-    router = Router(model, RouterConfig(), metrics, store, secret=SECRET)
+    router = Router(model, RouterConfig(prefill_placement="fixed"), metrics, store,
+                    secret=SECRET)
     session_id = scoped_session_id(tenant_of("alpha"), f"chat-{first}")
     try:
         await router.add_worker("prefill-0", "prefill", prefill.address)

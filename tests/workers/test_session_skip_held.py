@@ -3,14 +3,14 @@ gets only the KV blocks that worker lacks.
 
 Real services in this process: one prefill and two decode workers behind their authenticated
 gRPC servers with gloo KV channels on 127.0.0.1, a real redis-server holding the session, and
-the real Router with remote prefill forced (`max_local_prefill_tokens=0`: turn 2 goes
-Reserve -> Prefill -> push even though the decode worker caches most of it). Counted from the
-router's metrics against the layout's bytes per block: turn 1 pushes every block of its
-prompt; turn 2 pushes only the blocks after those the decode worker cached while running
-turn 1 (its prompt and all its output but the last token), and the skipped bytes are exactly
-those cached blocks. The decode worker's Reserve reply names them. Greedy output of both turns
-equals the offline engine's. Again with a TP-2 decode group (rank 1 in its own process), whose
-ranks each hold their KV-head shard of the cached blocks.
+the real Router with remote prefill forced (fixed placement, `max_local_prefill_tokens=0`:
+turn 2 goes Reserve -> Prefill -> push even though the decode worker caches most of it).
+Counted from the router's metrics against the layout's bytes per block: turn 1 pushes every
+block of its prompt; turn 2 pushes only the blocks after those the decode worker cached while
+running turn 1 (its prompt and all its output but the last token), and the skipped bytes are
+exactly those cached blocks. The decode worker's Reserve reply names them. Greedy output of
+both turns equals the offline engine's. Again with a TP-2 decode group (rank 1 in its own
+process), whose ranks each hold their KV-head shard of the cached blocks.
 """
 
 from __future__ import annotations
@@ -93,8 +93,8 @@ def counter(metrics: RouterMetrics, name: str) -> float:
 async def serve_two_turns(model, plane, redis_server, metrics: RouterMetrics):
     prefill, decodes = plane
     store = RedisStore(redis_server.url, namespace="skip", timeout_s=2.0)
-    router = Router(model, RouterConfig(max_local_prefill_tokens=0), metrics, store,
-                    secret=SECRET)
+    router = Router(model, RouterConfig(max_local_prefill_tokens=0, prefill_placement="fixed"),
+                    metrics, store, secret=SECRET)
     session_id = scoped_session_id(tenant_of("alpha"), "chat-" + "-".join(decodes))
     try:
         await router.add_worker("prefill-0", "prefill", prefill.address)
