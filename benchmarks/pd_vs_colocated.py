@@ -12,6 +12,12 @@ attainment and goodput side by side, and adaptive's goodput against the better o
 two, then writes one JSON, one markdown table and one PNG (latency CDFs, goodput vs rate) per
 workload under --out. A service is started per mode and workload (its SLO is a flag).
 
+With `--perf perf.json` (from `pdserve profile --threads <--threads>`) every cell is also run
+through the planner's simulator, on the same arrivals and lengths, as the same shape
+(pdserve.planner.shapes): its predicted TTFT and TPOT p50 / p90 beside the measured ones and
+the error of each, which is how far the planner's sizing and `pdserve plan --shapes` can be
+trusted on this machine.
+
     .venv/bin/python benchmarks/pd_vs_colocated.py                  # SmolLM2, every workload
     .venv/bin/python benchmarks/pd_vs_colocated.py --rates 0.5,1 --num-requests 16
 """
@@ -23,6 +29,7 @@ import asyncio
 import json
 import math
 import os
+import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -32,12 +39,21 @@ from pdserve.bench.runner import grpc_send, run_jobs
 from pdserve.client import AsyncClient
 from pdserve.launch.service import Service
 from pdserve.launch.settings import ServeSettings
+from pdserve.planner.perf_model import PerfModel
+from pdserve.planner.shapes import Shape, simulate_shape
+from pdserve.planner.traces import TraceRequest
 
-WORKLOADS = {  # name: (input_len, output_len, SLO in ms); sized for SmolLM2 on 1 CPU thread
-    "prefill-heavy": (512, 8, "ttft=4000,tpot=250"),
-    "decode-heavy": (64, 128, "ttft=1000,tpot=150"),
-    "mixed": (256, 32, "ttft=2000,tpot=200"),
+# name: (input_len, output_len, SLO in ms). Sized for SmolLM2 on one thread of an AVX512-BF16
+# EPYC core (alone: ~0.6 s for a 512-token prompt, ~12 ms a decode step), with the default
+# rates from a load the single prefill worker keeps up with to twice what it can: on a slower
+# host pass lower --rates.
+WORKLOADS = {
+    "prefill-heavy": (512, 8, "ttft=2000,tpot=100"),
+    "decode-heavy": (64, 128, "ttft=500,tpot=50"),
+    "mixed": (256, 32, "ttft=1000,tpot=75"),
 }
+SHAPES = {"disaggregated": Shape("disaggregated", 1, 1), "colocated": Shape("colocated", 0, 2),
+          "adaptive": Shape("adaptive", 1, 1)}
 MODES = {
     "disaggregated": {"mode": "disaggregated", "prefill_workers": 1, "decode_workers": 1,
                       "prefill_placement": "fixed"},
@@ -53,11 +69,13 @@ def parse_args() -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    p.add_argument("--rates", default="0.2,0.4,0.8", help="offered requests/s")
-    p.add_argument("--num-requests", type=int, default=12, help="per workload and rate")
+    p.add_argument("--rates", default="1,2,4", help="offered requests/s")
+    p.add_argument("--num-requests", type=int, default=24, help="per workload and rate")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results/pd_vs_colocated")
+    p.add_argument("--perf", default=None,
+                   help="a perf model (pdserve profile): predict every cell in simulation too")
     return p.parse_args()
 
 
@@ -67,7 +85,8 @@ def jobs(n_in: int, n_out: int, num: int, vocab: int, seed: int) -> list:
 
 
 async def run_mode(mode: str, name: str, args, rates: list[float]) -> dict:
-    """One deployment serving one workload at each rate: {rate: (summary, records)}."""
+    """One deployment serving one workload at each rate: {rate: (summary, records,
+    predicted summary or None)}."""
     n_in, n_out, slo_text = WORKLOADS[name]
     settings = replace(
         ServeSettings(), model=args.model, prefill_threads=args.threads,
@@ -87,8 +106,15 @@ async def run_mode(mode: str, name: str, args, rates: list[float]) -> dict:
                 times = arrivals.poisson_times(len(batch), rate, 1.0, args.seed)
                 records, duration = await run_jobs(grpc_send(client), batch, times,
                                                    progress=False)
-                summary = metrics.summarize(records, duration, metrics.parse_slo(slo_text))
-                results[rate] = (summary, records)
+                slo = metrics.parse_slo(slo_text)
+                summary = metrics.summarize(records, duration, slo)
+                predicted = None
+                if args.perf:
+                    trace = [TraceRequest(t, len(job[0].prompt_token_ids), job[0].output_len)
+                             for t, job in zip(times, batch)]
+                    predicted = simulate_shape(trace, SHAPES[mode],
+                                               PerfModel.load(args.perf), slo)
+                results[rate] = (summary, records, predicted)
                 print(f"{mode:>13} {name:>13} {rate:>5g} req/s: goodput "
                       f"{summary.goodput:.3f}, TTFT p50 {summary.ttft.p50 * 1e3:.0f} ms, "
                       f"TPOT p50 {summary.tpot.p50 * 1e3:.0f} ms", flush=True)
@@ -133,6 +159,35 @@ def verdict(results: dict, names: list[str], rates: list[float], num_requests: i
     return "\n".join(lines)
 
 
+def prediction(results: dict, names: list[str], rates: list[float]) -> str:
+    """Measured vs simulated TTFT and TPOT p50 / p90 per cell (ms), and per metric the median
+    and worst error of the prediction over every cell, as a fraction of the measured value."""
+    keys = [("TTFT p50", "ttft", "p50"), ("TTFT p90", "ttft", "p90"),
+            ("TPOT p50", "tpot", "p50"), ("TPOT p90", "tpot", "p90")]
+    lines = ["\n### the planner's simulator against the measured runs (ms: measured / predicted)"
+             "\n", "| workload | rate | mode | " + " | ".join(k for k, _, _ in keys) + " |",
+             "|---|---|---|" + "---|" * len(keys)]
+    errors: dict[str, list[float]] = {k: [] for k, _, _ in keys}
+    for name in names:
+        for rate in rates:
+            for mode in MODES:
+                measured, _, predicted = results[mode][name][rate]
+                cells = []
+                for label, metric, q in keys:
+                    m = getattr(getattr(measured, metric), q)
+                    p = getattr(getattr(predicted, metric), q)
+                    cells.append(f"{m * 1e3:.0f} / {p * 1e3:.0f}")
+                    if m > 0 and math.isfinite(m) and math.isfinite(p):
+                        errors[label].append(abs(p - m) / m)
+                lines.append(f"| {name} | {rate:g} | {mode} | " + " | ".join(cells) + " |")
+    lines += ["", "| error | " + " | ".join(k for k, _, _ in keys) + " |",
+              "|---|" + "---|" * len(keys)]
+    for label, pick in (("median", statistics.median), ("worst", max)):
+        lines.append(f"| {label} | " + " | ".join(
+            f"{pick(errors[k]):.0%}" if errors[k] else "-" for k, _, _ in keys) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     args = parse_args()
     rates = [float(r) for r in args.rates.split(",")]
@@ -145,14 +200,18 @@ def main() -> None:
     text = (f"CPU budget: {os.cpu_count()} cores, {args.threads} torch thread(s) per worker, "
             f"2 workers per mode; model {args.model}; {args.num_requests} requests per cell; "
             f"Poisson arrivals, seed {args.seed}\n" + table(results, names, rates)
-            + "\n" + verdict(results, names, rates, args.num_requests))
+            + "\n" + verdict(results, names, rates, args.num_requests)
+            + ("\n" + prediction(results, names, rates) if args.perf else ""))
     print(text)
     (out / "table.md").write_text(text + "\n")
     (out / "results.json").write_text(json.dumps({
         "args": vars(args), "wall_s": time.time() - started,
         "results": {f"{mode}/{name}/{rate:g}": s.to_dict()
                     for mode, per in results.items() for name, cells in per.items()
-                    for rate, (s, _) in cells.items()},
+                    for rate, (s, _, _) in cells.items()},
+        "predicted": {f"{mode}/{name}/{rate:g}": p.to_dict()
+                      for mode, per in results.items() for name, cells in per.items()
+                      for rate, (_, _, p) in cells.items() if p is not None},
     }, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x)))
     for name in names:
         runs = [(f"{mode} {rate:g}/s", results[mode][name][rate][1])

@@ -106,7 +106,7 @@ class EngineCore:
         start = time.perf_counter()
         result = self._execute(plan)
         seconds = time.perf_counter() - start
-        self.scheduler.observe_step(plan.total_num_tokens, seconds)  # sizes later steps
+        self.scheduler.observe_step(plan.total_num_tokens, seconds, plan.num_decodes)
         outputs = self.scheduler.update(plan, result)
         if self.speculator is not None:
             self.speculator.after_step(plan, seconds, self.scheduler)

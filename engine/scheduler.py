@@ -219,13 +219,13 @@ class Scheduler:
         decodes = sum(1 + len(r.spec_token_ids) for r in self.running
                       if r.num_tokens - r.num_computed_tokens == 1)
         floor = decodes + self.kv_cache.block_size
-        return token_budget(self.step_time.fit(), target, floor, cap)
+        return token_budget(self.step_time.fit(), target, floor, cap, decodes)
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """The engine ran a step of `num_tokens` tokens in `seconds` (wall time of the
-        runner's execute, a prefill worker's KV pushes included): it teaches the step-time
-        model. Steps that computed nothing are ignored."""
-        self.step_time.observe(num_tokens, seconds)
+    def observe_step(self, num_tokens: int, seconds: float, num_decodes: int = 0) -> None:
+        """The engine ran a step of `num_tokens` tokens, `num_decodes` of them one-token
+        decodes, in `seconds` (wall time of the runner's execute, a prefill worker's KV pushes
+        included): it teaches the step-time model. Steps that computed nothing are ignored."""
+        self.step_time.observe(num_tokens, seconds, num_decodes)
 
     def _schedule_running(
         self, scheduled: list[tuple[Request, int]], adapters: set[LoRARequest], budget: int,

@@ -28,7 +28,7 @@ KV_TIER_FIELDS: tuple[str, ...] = (
 # ... and its steps' (the router prices where a prompt is prefilled with them)
 STEP_FIELDS: tuple[str, ...] = (
     "step_token_budget", "prefill_s_per_token", "step_intercept_s", "step_slope_fitted",
-    "num_prefill_tokens",
+    "decode_s_per_token", "num_prefill_tokens",
 )
 
 
@@ -50,14 +50,16 @@ class WorkerStats:
     quantization: str = ""  # the weights' ("" = dense)
     weight_bytes: int = 0  # this rank's weights as held
     lora_adapters: tuple[str, ...] = ()  # the LoRA adapters it holds
-    # Its steps: what the next may compute (Scheduler.step_token_budget); the step-time fit's
-    # line (a step of n tokens lasts step_intercept_s + prefill_s_per_token * n; the slope is a
-    # marginal rate only with step_slope_fitted, else the mean cost per token); and the prompt
-    # tokens queued here not computed yet (waiting, or part-way through their prefill)
+    # Its steps: what the next may compute (Scheduler.step_token_budget); the step-time fit (a
+    # step of p prompt and d decode tokens lasts step_intercept_s + prefill_s_per_token * p +
+    # decode_s_per_token * d; the prompt slope is a marginal rate only with step_slope_fitted,
+    # the decode one only when not 0); and the prompt tokens queued here not computed yet
+    # (waiting, or part-way through their prefill)
     step_token_budget: int = 0
     prefill_s_per_token: float = 0.0
     step_intercept_s: float = 0.0
     step_slope_fitted: bool = False
+    decode_s_per_token: float = 0.0
     num_prefill_tokens: int = 0
     # KV tiers (engine.kv_tiers), 0 without them: one block's bytes, blocks held now, then
     # cumulative counts in blocks (TierStats)
@@ -117,6 +119,8 @@ class WorkerStats:
             prefill_s_per_token=fit.per_token_s if (fit := scheduler.step_time.fit()) else 0.0,
             step_intercept_s=fit.intercept_s if fit else 0.0,
             step_slope_fitted=scheduler.step_time.slope_fitted,
+            decode_s_per_token=fit.decode_s if fit and scheduler.step_time.decode_slope_fitted
+            else 0.0,
             num_prefill_tokens=scheduler.num_prefill_tokens(),
             num_pulled_tokens=scheduler.stats.num_pulled_tokens,
             num_failed_pull_tokens=scheduler.stats.num_failed_pull_tokens,

@@ -6,7 +6,8 @@ local prefill skips that queue and the KV transfer but stretches the decode batc
 while it runs. Which one pays changes with load (DistServe, Splitwise): a fixed rule loses
 either TTFT when the prefill pool is the bottleneck or TPOT when the decode batch is full.
 So the choice is made per request from each worker's own fit of step time against tokens
-(engine.step_budget: a step of n tokens lasts `intercept_s + per_token_s * n`), the tokens
+(engine.step_budget: a step of p prompt and d decode tokens lasts `intercept_s + per_token_s *
+p + per_decode_s * d`), the tokens
 queued on each, and the prompt's cached part on each. A prefill worker's KV push lies inside
 its timed step (layer by layer, the step ends once every byte is acknowledged), so its fit
 prices the transfer too; adding a separate per-byte term would count the bytes twice.
@@ -14,20 +15,20 @@ prices the transfer too; adding a separate per-byte term would count the bytes t
 Predictions, for a prompt with U uncached tokens on a worker that has Q queued ahead of it:
 - remote on P: Q + U tokens at P's line, in steps of P's budget;
 - local on D, with R sequences decoding there: Q + U tokens in chunks of (budget - R) beside
-  R decode tokens per step, after the prefix it pulls has landed (when it pulls one). Those
+  R decode tokens a step, after the prefix it pulls has landed (when it pulls one). Those
   steps are the batch's TPOT while it runs; over the whole prefill every running sequence
   waits (Q + U) * per_token_s longer.
 
 The rule, in order:
 1. Until some worker has a fit, the fixed rule decides (`fallback_local`: the session's
    decode worker prefills a short uncached tail itself). A worker without a fit of its own
-   is priced at another's line (the same model on both; its own first steps correct it).
-2. With a TTFT SLO that remote prefill is predicted to meet: remote, when sequences decode on
-   the decode worker (they are spared).
-3. Local when it is predicted to give the first token sooner and to keep the batch within the
+   is priced at another's (the same model on both; its own first steps correct it), and a
+   decode worker that never prefilled a prompt at the prefill worker's prompt slope beside
+   its own fixed and decode costs (router.placement).
+2. Local when it is predicted to give the first token sooner and to keep the batch within the
    TPOT SLO (any step length with nobody decoding there) or, without a TPOT SLO, when what it
    saves this request exceeds what it costs the batch (R times its compute).
-4. Otherwise remote: the request queues at the prefill worker (the one router.policy's
+3. Otherwise remote: the request queues at the prefill worker (the one router.policy's
    choose_prefill picks: least uncached work), whose own queue orders it (shortest remaining
    prefill first).
 Pure: no I/O; the placer gathers the numbers and applies the decision.
@@ -42,7 +43,7 @@ from pdserve.engine.step_budget import StepFit
 
 REMOTE, LOCAL = "remote", "local"
 # why a decision went the way it did (a metric label)
-REASONS = ("unmeasured", "ttft_slo_met", "sooner", "spares_decode", "tpot_slo")
+REASONS = ("unmeasured", "sooner", "spares_decode", "tpot_slo")
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,8 @@ class StepCost:
         if num_tokens <= 0:
             return 0.0
         steps = -(-num_tokens // self.chunk(num_decoding))
-        return steps * self.fit.seconds(num_decoding) + self.fit.per_token_s * num_tokens
+        decode_s = self.fit.seconds(num_decoding, num_decoding)  # a step's decodes (and fixed)
+        return steps * decode_s + self.fit.per_token_s * num_tokens
 
     def chunk(self, num_decoding: int) -> int:
         """Prompt tokens a step takes beside `num_decoding` decodes."""
@@ -111,11 +113,11 @@ class Decision:
 
 
 def decide(remote: Option, local: Option, fallback_local: bool,
-           ttft_slo_s: float | None = None, tpot_slo_s: float | None = None) -> Decision:
+           tpot_slo_s: float | None = None) -> Decision:
     """Remote or local prefill for one prompt (the module doc's rule). `remote`: the prefill
     worker chosen for it (router.policy.choose_prefill); `local`: the decode worker chosen for
-    it; `fallback_local`: the fixed rule's answer, used until either is measured; the SLOs in
-    seconds (None: none)."""
+    it; `fallback_local`: the fixed rule's answer, used until either is measured; the TPOT SLO
+    in seconds (None: none)."""
     local_cost = local.cost(remote.fit)
     if local_cost is None:
         chosen = local if fallback_local else remote
@@ -123,20 +125,19 @@ def decide(remote: Option, local: Option, fallback_local: bool,
     decoding = local.num_decoding
     remote_ttft = remote.wait_s + remote.cost(local_cost.fit).prefill_s(remote.work)
     local_ttft = local.wait_s + local_cost.prefill_s(local.work, decoding)
-    remote_tpot = local_cost.fit.seconds(decoding + 1)
-    local_tpot = (local_cost.fit.seconds(decoding + min(local.work, local_cost.chunk(decoding)))
-                  if decoding else remote_tpot)
+    fit = local_cost.fit
+    remote_tpot = fit.seconds(decoding + 1, decoding + 1)
+    chunk = min(local.work, local_cost.chunk(decoding))
+    local_tpot = fit.seconds(decoding + chunk, decoding) if decoding else remote_tpot
 
     def go_remote(reason: str) -> Decision:
         return Decision(REMOTE, remote.worker_id, reason, remote_ttft, remote_tpot)
 
-    if decoding and ttft_slo_s is not None and remote_ttft <= ttft_slo_s:
-        return go_remote("ttft_slo_met")
     if local_ttft >= remote_ttft:
         return go_remote("sooner")
     if tpot_slo_s is not None:
         if decoding and local_tpot > tpot_slo_s:
             return go_remote("tpot_slo")
-    elif remote_ttft - local_ttft <= decoding * local_cost.fit.per_token_s * local.work:
+    elif remote_ttft - local_ttft <= decoding * fit.per_token_s * local.work:
         return go_remote("spares_decode")
     return Decision(LOCAL, local.worker_id, "sooner", local_ttft, local_tpot)

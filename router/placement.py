@@ -311,9 +311,9 @@ class Placer:
             raise
         local, local_ttft_s = fixed_local, None
         if config.prefill_placement == "adaptive":
-            decision = decide(_prefill_option(prefill, len(prompt) - hits),
-                              _decode_option(decode, len(prompt) - held, pull_s), fixed_local,
-                              config.ttft_slo_s, config.tpot_slo_s)
+            remote = _prefill_option(prefill, len(prompt) - hits)
+            decision = decide(remote, _decode_option(decode, len(prompt) - held, pull_s,
+                                                     remote.fit), fixed_local, config.tpot_slo_s)
             self.metrics.observe_placement(decision)
             logger.debug("%s: prefill %s on %s (%s); predicted TTFT %s s, TPOT %s s",
                          req.request_id, decision.where, decision.worker_id, decision.reason,
@@ -387,27 +387,34 @@ def _prefill_option(c: PrefillClient, num_uncached_tokens: int) -> Option:
                   _line(load, fitted_only=False), _budget(load))
 
 
-def _decode_option(c: DecodeClient, num_uncached_tokens: int, wait_s: float) -> Option:
+def _decode_option(c: DecodeClient, num_uncached_tokens: int, wait_s: float,
+                   prompt_line: StepFit | None) -> Option:
     """The decode worker as the place to prefill a prompt, after `wait_s` (a prefix it pulls):
     its queue is the prompt tokens it reported queued plus those sent since, beside the
-    sequences running there. Its mean cost per token is over its decode steps and prices no
-    prompt: it has no line until its slope is fitted."""
+    sequences running there. Until it has timed prompts of clearly different sizes its prompt
+    slope is not a prompt's: it is priced at `prompt_line`'s (the prefill worker's) beside its
+    own fixed and decode costs, once it has those."""
     load = c.load
     _, requests, tokens = c.num_pending  # this request among the requests
     queued, running = (load.num_prefill_tokens, load.num_running) if load else (0, 0)
-    return Option(c.worker_id, queued + tokens, num_uncached_tokens,
-                  _line(load, fitted_only=True), _budget(load),
+    line = _line(load, fitted_only=True)
+    if line is None and prompt_line is not None and load is not None and (
+            load.decode_s_per_token > 0):
+        line = StepFit(max(load.step_intercept_s, 0.0), prompt_line.per_token_s,
+                       load.decode_s_per_token)
+    return Option(c.worker_id, queued + tokens, num_uncached_tokens, line, _budget(load),
                   num_decoding=running + max(requests - 1, 0), wait_s=wait_s)
 
 
 def _line(load: worker_pb2.WorkerLoad | None, fitted_only: bool) -> StepFit | None:
-    """The step-time line a worker last reported (None: none, or no fitted slope when
+    """The step-time fit a worker last reported (None: none, or no fitted prompt slope when
     `fitted_only`)."""
     if load is None or not load.prefill_s_per_token > 0:
         return None
     if fitted_only and not load.step_slope_fitted:
         return None
-    return StepFit(max(load.step_intercept_s, 0.0), load.prefill_s_per_token)
+    return StepFit(max(load.step_intercept_s, 0.0), load.prefill_s_per_token,
+                   load.decode_s_per_token or None)
 
 
 def _budget(load: worker_pb2.WorkerLoad | None) -> int:

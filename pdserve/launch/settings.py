@@ -162,8 +162,8 @@ class ServeSettings:
     )
     slo: str | None = _opt(
         None, "the service's latency SLO, e.g. ttft=2000,tpot=200 (milliseconds): what "
-        "--early-rejection holds a request's first token to, what adaptive placement spares "
-        "its TPOT for, and (tpot) how long a decode step prefilling a prompt may last")
+        "--early-rejection holds a request's first token to, and (tpot) the bound adaptive "
+        "placement keeps decode batches within: a decode step that prefills lasts about half")
     early_rejection: bool = _opt(
         False, "refuse a request at once, RESOURCE_EXHAUSTED / 429 with a retry hint "
         "(grpc-retry-pushback-ms / Retry-After), when every prefill worker is predicted to miss "

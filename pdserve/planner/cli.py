@@ -3,8 +3,14 @@
     pdserve profile --model M --threads 1 --out perf.json
     pdserve plan --policy deploy/policies/default.yaml --policy deploy/policies/aggressive.yaml \
         --trace bursty --perf perf.json --png bench-results/plan.png
+    pdserve plan --shapes 2 --perf perf.json --rates 0.5,1,2,4 --input-len 512 \
+        --output-len 8 --slo ttft=2000,tpot=100
 
-`plan` simulates each policy on one trace (steady or bursty Poisson, or a JSON file: a list of
+`plan --shapes N` simulates N workers colocated, and split P:D with prompts on the prefill pool
+or placed per request as the router does (pdserve.planner.shapes), at each rate of a steady
+trace, and prints each one's goodput at the SLO, the best shape per rate and the loads where
+the best turns from colocated to split or back (the crossover). `plan --policy`
+simulates each policy on one trace (steady or bursty Poisson, or a JSON file: a list of
 [arrival_s, input_tokens, output_tokens] or a `pdserve bench --json` result) with the
 performance model from `profile`, and prints SLO attainment, p90 latencies, worker-hours,
 cost and the replica range per policy. Wire-up: `add_parsers(sub)` on the `pdserve`
@@ -23,6 +29,7 @@ from pdserve.bench.metrics import SLO, format_slo, parse_slo
 from pdserve.planner.evaluation import PlanSummary, evaluate
 from pdserve.planner.perf_model import PerfModel
 from pdserve.planner.policy import load_policy
+from pdserve.planner.shapes import Cell, best, crossovers, sweep
 from pdserve.planner.simulator import SimConfig, SimResult, simulate
 from pdserve.planner.traces import TraceRequest, bursty_trace, load_trace, steady_trace
 
@@ -42,7 +49,10 @@ def add_parsers(sub) -> None:
     fmt = argparse.RawDescriptionHelpFormatter
     p = sub.add_parser("plan", help="compare autoscaling policies in simulation",
                        description=__doc__, formatter_class=fmt)
-    p.add_argument("--policy", action="append", required=True, help="a policy YAML (repeat)")
+    p.add_argument("--policy", action="append", help="a policy YAML (repeat)")
+    p.add_argument("--shapes", type=int, default=None, metavar="N",
+                   help="compare deployment shapes of N workers instead of policies")
+    p.add_argument("--rates", default="0.5,1,2,4", help="--shapes: offered req/s to sweep")
     p.add_argument("--trace", default="steady", help="steady | bursty | a JSON trace file")
     p.add_argument("--perf", required=True, help="a PerfModel JSON from `pdserve profile`")
     p.add_argument("--rate", type=float, default=1.0, help="steady/bursty: base req/s")
@@ -113,6 +123,10 @@ def _trace(args: argparse.Namespace) -> list[TraceRequest]:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    if args.shapes is not None:
+        return _plan_shapes(args)
+    if not args.policy:
+        raise ValueError("plan needs --policy (one or more) or --shapes N")
     policies = [load_policy(path) for path in args.policy]
     perf = PerfModel.load(args.perf)
     trace = _trace(args)
@@ -130,6 +144,45 @@ def _plan(args: argparse.Namespace) -> int:
         plot_replicas(args.png, results, trace)
         print(f"wrote {args.png}")
     return 0
+
+
+def _plan_shapes(args: argparse.Namespace) -> int:
+    if not args.slo:
+        raise ValueError("--shapes needs --slo: goodput counts the requests that meet it")
+    slo = parse_slo(args.slo)
+    try:
+        rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    except ValueError:
+        raise ValueError(f"--rates: expected comma-separated req/s, got {args.rates!r}") from None
+    if not rates or min(rates) <= 0:
+        raise ValueError(f"--rates: expected positive req/s, got {args.rates!r}")
+    cells = sweep(PerfModel.load(args.perf), args.shapes, rates, args.duration, args.input_len,
+                  args.output_len, slo, args.seed)
+    print(f"{args.shapes} workers; steady Poisson trace, {args.duration:g} s per rate, "
+          f"{args.input_len} prompt / {args.output_len} output tokens; SLO (ms) "
+          f"{format_slo(slo)}")
+    print(format_shapes(cells))
+    return 0
+
+
+def format_shapes(cells: Sequence[Cell]) -> str:
+    """Goodput (req/s) per shape and rate, the best shape per rate, and the crossovers."""
+    names = list(dict.fromkeys(c.shape.name for c in cells))
+    rates = sorted({c.rate for c in cells})
+    width = max(len(n) for n in names) + 2
+    lines = [f"{'req/s':>7}" + "".join(f"{n:>{width}}" for n in names) + "   best"]
+    for rate in rates:
+        goodput = {c.shape.name: c.summary.goodput or 0.0 for c in cells if c.rate == rate}
+        lines.append(f"{rate:>7g}" + "".join(f"{goodput[n]:>{width}.3f}" for n in names)
+                     + f"   {best(cells, rate).shape.name}")
+    changes = crossovers(cells)
+    if not changes:
+        kind = "split" if best(cells, rates[0]).shape.split else "colocated"
+        lines.append(f"no crossover: a {kind} shape is best at every rate swept")
+    for before, after, top in changes:
+        lines.append(f"crossover between {before:g} and {after:g} req/s: from {after:g} on, "
+                     f"{top.shape.name} is best")
+    return "\n".join(lines)
 
 
 _COLS = (("policy", 14), ("TTFT ok%", 9), ("ITL ok%", 8), ("both%", 7), ("TTFT p90", 9),

@@ -11,6 +11,16 @@ Model (times from a `PerfModel`; no randomness here — traces carry it, seeded)
   takes `decode_step_time(batch, mean context)`; all tokens of a step arrive at its end.
   KV transfer is instantaneous and KV capacity unbounded (`kv_capacity_tokens` only feeds the
   observed `kv_usage`).
+- **Where prompts are prefilled** (`SimConfig.placement`): "disaggregated", on the prefill
+  pool as above; "colocated", no prefill pool: every prompt goes to the decode worker with the
+  fewest sequences and queued prompt tokens, which prefills it in chunks inside its steps;
+  "adaptive", per request as the router decides (router.disaggregation.decide, on the lines
+  this model implies). A decode step that carries `chunk` prompt tokens beside `batch`
+  decodes takes `decode_step_time(batch, context) + chunk / prefill_tokens_per_s` (`decode_a_s`
+  when nobody decodes); its chunk is what fits `step_budget_tokens` beside the decodes, or
+  with `decode_step_target_s` what keeps the step about that long (at least one token). A
+  prompt's first token comes at the end of the step that computes its last chunk, and it
+  decodes from the next step on.
 - **Planner**: every `interval_s` (at t = interval, 2 interval, ...) `decide` gets an
   `Observation` of the last interval: arrivals (rate, mean lengths), p90 of the TTFTs and ITL
   gaps that occurred in it, the prefill queue, decode KV usage and the worker counts (workers
@@ -19,6 +29,9 @@ Model (times from a `PerfModel`; no randomness here — traces carry it, seeded)
   still starting is cancelled first, then the least-loaded ones drain).
 - Events at one instant run in this order: worker ready, prefill done, decode step done,
   arrival, planner tick (then in the order they were scheduled).
+
+Why one file: one event loop owns every worker's state and every event's effect on it; split,
+an event's handling would cross modules.
 
 Outputs: one `RequestRecord` per request (pdserve.bench.trace, one token per chunk), so
 `pdserve.bench.metrics` computes TTFT / ITL / TPOT and SLO attainment exactly as for a real
@@ -40,6 +53,7 @@ from typing import NamedTuple
 
 from pdserve.bench.metrics import percentile
 from pdserve.bench.trace import RequestRecord
+from pdserve.engine.step_budget import StepFit
 from pdserve.planner.perf_model import PerfModel
 from pdserve.planner.policy import (
     ROLES,
@@ -50,10 +64,12 @@ from pdserve.planner.policy import (
     decide,
 )
 from pdserve.planner.traces import TraceRequest
+from pdserve.router import disaggregation
 
 logger = logging.getLogger(__name__)
 
 _READY, _PREFILL_DONE, _STEP_DONE, _ARRIVAL, _TICK = range(5)
+PLACEMENTS = ("disaggregated", "colocated", "adaptive")
 
 
 @dataclass(frozen=True)
@@ -62,10 +78,22 @@ class SimConfig:
     initial_prefill: int | None = None  # workers ready at t = 0 (None: the policy's minimum)
     initial_decode: int | None = None
     kv_capacity_tokens: int | None = None  # per decode worker; None reports kv_usage 0
+    placement: str = "disaggregated"  # where prompts are prefilled (the module doc)
+    step_budget_tokens: int = 2048  # a decode step's tokens: decodes plus a prompt chunk
+    decode_step_target_s: float | None = None  # a step with a chunk lasts about this long
+    tpot_slo_s: float | None = None  # what adaptive placement keeps decode batches within
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.startup_delay_s) and self.startup_delay_s >= 0):
             raise ValueError(f"startup_delay_s must be >= 0, got {self.startup_delay_s}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.step_budget_tokens < 1:
+            raise ValueError(f"step_budget_tokens must be >= 1, got {self.step_budget_tokens}")
+        for name in ("decode_step_target_s", "tpot_slo_s"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be > 0 seconds (or None), got {v}")
         for name in ("initial_prefill", "initial_decode", "kv_capacity_tokens"):
             v = getattr(self, name)
             if v is not None and v < 1:
@@ -110,8 +138,11 @@ class _Worker:
     draining: bool = False
     stopped_s: float | None = None
     busy: bool = False  # prefill: serving a request; decode: a step is running
+    busy_until: float = 0.0  # prefill: when the request it serves is done
     running: list[_Seq] = field(default_factory=list)  # decode batch
     pending: list[_Seq] = field(default_factory=list)  # join at the next step boundary
+    prompts: deque[list[int]] = field(default_factory=deque)  # [index, tokens left] to prefill
+    chunks: list[tuple[list[int], int]] = field(default_factory=list)  # the step's prompt part
 
     @property
     def active(self) -> bool:
@@ -121,6 +152,11 @@ class _Worker:
     @property
     def load(self) -> int:
         return len(self.running) + len(self.pending) if self.role == "decode" else int(self.busy)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens queued here for a local prefill."""
+        return sum(left for _, left in self.prompts)
 
 
 class _Fleet:
@@ -204,6 +240,8 @@ class _Simulation:
     # -- workers ------------------------------------------------------------------------------
 
     def resize(self, role: str, target: int) -> None:
+        if role == "prefill" and self.config.placement == "colocated":
+            return  # no prefill pool
         delay = self.config.startup_delay_s
         for w in self.fleet.resize(role, target, self.now, ready=delay == 0):
             if not w.ready:
@@ -218,8 +256,8 @@ class _Simulation:
             if w.ready and not w.busy:
                 i = self.queue.popleft()
                 w.busy = True
-                done = self.now + self.perf.prefill_time(self.trace[i].input_tokens)
-                self.push(done, _PREFILL_DONE, (w, i))
+                w.busy_until = self.now + self.perf.prefill_time(self.trace[i].input_tokens)
+                self.push(w.busy_until, _PREFILL_DONE, (w, i))
 
     def prefill_done(self, w: _Worker, i: int) -> None:
         w.busy = False
@@ -231,27 +269,95 @@ class _Simulation:
         if req.output_tokens <= 1:
             self.num_done += 1
         else:
-            ready = [d for d in self.fleet.pool("decode") if d.ready]
-            assert ready, "the decode pool always keeps a ready worker"
-            target = min(ready, key=lambda d: (d.load, d.wid))
+            target = min(self.ready_decode(), key=lambda d: (d.load, d.wid))
             target.pending.append(_Seq(i, req.input_tokens + 1, req.output_tokens - 1))
             if not target.busy:
                 self.start_step(target)
         self.dispatch_prefill()
 
+    # -- where a prompt is prefilled ----------------------------------------------------------
+
+    def ready_decode(self) -> list[_Worker]:
+        ready = [d for d in self.fleet.pool("decode") if d.ready]
+        assert ready, "the decode pool always keeps a ready worker"
+        return ready
+
+    def arrive(self, i: int) -> None:
+        placement = self.config.placement
+        if placement == "disaggregated":
+            self.queue.append(i)
+            self.dispatch_prefill()
+            return
+        local = min(self.ready_decode(), key=lambda d: (d.load, d.prompt_tokens, d.wid))
+        if placement == "adaptive" and self.decide(i, local).where == disaggregation.REMOTE:
+            self.queue.append(i)
+            self.dispatch_prefill()
+            return
+        local.prompts.append([i, self.trace[i].input_tokens])
+        if not local.busy:
+            self.start_step(local)
+
+    def decide(self, i: int, local: _Worker) -> disaggregation.Decision:
+        """The router's rule on this request, from the fits the perf model implies: a prompt
+        token costs 1 / prefill_tokens_per_s anywhere, a decode worker's step `decode_a_s`
+        more and each of its decodes b + c * its batch's mean context; the prefill pool's
+        queue is shared out over its ready workers."""
+        per_token = 1.0 / self.perf.prefill_tokens_per_s
+        pool = [w for w in self.fleet.pool("prefill") if w.ready]
+        queued = sum(self.trace[j].input_tokens for j in self.queue) + sum(
+            max(w.busy_until - self.now, 0.0) * self.perf.prefill_tokens_per_s
+            for w in pool if w.busy)
+        tokens = self.trace[i].input_tokens
+        remote = disaggregation.Option("prefill", round(queued / max(len(pool), 1)), tokens,
+                                       StepFit(0.0, per_token), 1 << 30)
+        batch = local.running + local.pending
+        context = sum(s.context for s in batch) / len(batch) if batch else tokens
+        per_decode = self.perf.decode_b_s + self.perf.decode_c_s * context
+        near = disaggregation.Option(
+            f"decode-{local.wid}", local.prompt_tokens, tokens,
+            StepFit(self.perf.decode_a_s, per_token, per_decode),
+            self.chunk_budget(local) + local.load, num_decoding=local.load)
+        return disaggregation.decide(remote, near, False, self.config.tpot_slo_s)
+
     # -- decode -------------------------------------------------------------------------------
 
+    def chunk_budget(self, w: _Worker) -> int:
+        """Prompt tokens `w`'s next step may take beside its decodes (at least one)."""
+        batch = len(w.running) + len(w.pending)
+        budget = self.config.step_budget_tokens - batch
+        target = self.config.decode_step_target_s
+        if target is not None:
+            left = target - self.decode_s(w.running + w.pending)
+            budget = min(budget, math.floor(left * self.perf.prefill_tokens_per_s))
+        return max(budget, 1)
+
+    def decode_s(self, batch: list[_Seq]) -> float:
+        """A step's decode part (its fixed cost alone when nobody decodes)."""
+        if not batch:
+            return self.perf.decode_a_s
+        context = sum(s.context for s in batch) / len(batch)
+        return self.perf.decode_step_time(len(batch), context)
+
     def start_step(self, w: _Worker) -> None:
+        budget = self.chunk_budget(w)
         w.running.extend(w.pending)
         w.pending.clear()
-        if not w.running:
+        w.chunks = []
+        for entry in w.prompts:
+            if budget <= 0:
+                break
+            take = min(entry[1], budget)
+            w.chunks.append((entry, take))
+            budget -= take
+        if not w.running and not w.chunks:
             w.busy = False
             if w.draining:
                 w.stopped_s = self.now
             return
         w.busy = True
-        context = sum(s.context for s in w.running) / len(w.running)
-        self.push(self.now + self.perf.decode_step_time(len(w.running), context), _STEP_DONE, w)
+        chunk = sum(n for _, n in w.chunks)
+        seconds = self.decode_s(w.running) + chunk / self.perf.prefill_tokens_per_s
+        self.push(self.now + seconds, _STEP_DONE, w)
 
     def step_done(self, w: _Worker) -> None:
         still = []
@@ -266,6 +372,17 @@ class _Simulation:
             else:
                 self.num_done += 1
         w.running = still
+        for entry, n in w.chunks:  # a prompt whose last chunk ran: its first token
+            entry[1] -= n
+            if entry[1] == 0:
+                w.prompts.remove(entry)
+                i, req = entry[0], self.trace[entry[0]]
+                self.token_times[i].append(self.now)
+                self.window_ttfts.append(self.now - req.arrival_s)
+                if req.output_tokens <= 1:
+                    self.num_done += 1
+                else:
+                    w.pending.append(_Seq(i, req.input_tokens + 1, req.output_tokens - 1))
         self.start_step(w)
 
     # -- planner ------------------------------------------------------------------------------
@@ -308,7 +425,8 @@ class _Simulation:
 
     def run(self) -> SimResult:
         p_lo, d_lo = self.policy.bounds("prefill")[0], self.policy.bounds("decode")[0]
-        for role, n in (("prefill", self.config.initial_prefill or p_lo),
+        colocated = self.config.placement == "colocated"
+        for role, n in (("prefill", 0 if colocated else self.config.initial_prefill or p_lo),
                         ("decode", self.config.initial_decode or d_lo)):
             for _ in range(n):
                 self.fleet.add(role, self.now, ready=True)
@@ -324,8 +442,7 @@ class _Simulation:
     def handle(self, kind: int, payload: object) -> None:
         if kind == _ARRIVAL:
             self.window_arrivals.append(payload)  # type: ignore[arg-type]
-            self.queue.append(payload)  # type: ignore[arg-type]
-            self.dispatch_prefill()
+            self.arrive(payload)  # type: ignore[arg-type]
         elif kind == _PREFILL_DONE:
             self.prefill_done(*payload)  # type: ignore[misc]
         elif kind == _STEP_DONE:

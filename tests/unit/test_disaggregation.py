@@ -29,7 +29,7 @@ def simulated_prefill_s(fit: StepFit, budget: int, num_tokens: int, decoding: in
     seconds, left = 0.0, num_tokens
     while left > 0:
         chunk = min(left, max(budget - decoding, 1))
-        seconds += fit.seconds(decoding + chunk)
+        seconds += fit.seconds(decoding + chunk, decoding)
         left -= chunk
     return seconds
 
@@ -85,24 +85,15 @@ def test_a_worker_without_a_fit_is_priced_at_the_other_line() -> None:
     assert (d.where, d.ttft_s) == (LOCAL, pytest.approx(slow.seconds(100)))
 
 
-def test_a_ttft_slo_remote_meets_spares_a_decoding_batch() -> None:
-    remote_s = LINE.seconds(400 + 100)
-    d = decide(prefill(400, 100), decode(0, 100, 4), False, ttft_slo_s=remote_s)
-    assert (d.where, d.reason) == (REMOTE, "ttft_slo_met")
-    # a hair below what remote needs: local, which is sooner and fits the TPOT SLO
-    d = decide(prefill(400, 100), decode(0, 100, 4), False, ttft_slo_s=remote_s * 0.999,
-               tpot_slo_s=1.0)
+def test_a_sooner_local_prefill_within_the_tpot_slo_goes_local_beside_a_batch() -> None:
+    d = decide(prefill(400, 100), decode(0, 100, 4), False, tpot_slo_s=1.0)
     assert (d.where, d.reason) == (LOCAL, "sooner")
-
-
-def test_with_nobody_decoding_the_ttft_slo_does_not_hold_back_a_sooner_local_prefill() -> None:
-    d = decide(prefill(400, 100), decode(0, 100, 0), False, ttft_slo_s=10.0)
-    assert d.where == LOCAL
+    assert d.ttft_s == pytest.approx(simulated_prefill_s(LINE, 512, 100, 4))
 
 
 def test_a_tpot_slo_the_chunks_would_break_keeps_the_prompt_remote() -> None:
     decoding, work = 8, 300
-    local_tpot = LINE.seconds(decoding + work)  # one step: the whole prompt beside the batch
+    local_tpot = LINE.seconds(decoding + work, decoding)  # one step: the prompt beside the batch
     args = (prefill(5000, work), decode(0, work, decoding))
     d = decide(*args, False, tpot_slo_s=local_tpot * 0.999)
     assert (d.where, d.reason) == (REMOTE, "tpot_slo")
@@ -114,10 +105,20 @@ def test_a_tpot_slo_the_chunks_would_break_keeps_the_prompt_remote() -> None:
 def test_small_chunks_keep_the_tpot_within_the_slo() -> None:
     # a budget of 40 tokens: 8 decodes + 32 prompt tokens a step, 10 steps for 300
     d = decide(prefill(5000, 300), decode(0, 300, 8, budget=40), False,
-               tpot_slo_s=LINE.seconds(40))
+               tpot_slo_s=LINE.seconds(40, 8))
     assert d.where == LOCAL
     assert d.tpot_s == pytest.approx(LINE.seconds(40))
     assert d.ttft_s == pytest.approx(simulated_prefill_s(LINE, 40, 300, 8))
+
+
+def test_decode_tokens_are_priced_at_their_own_slope() -> None:
+    line = StepFit(0.02, 0.001, 0.004)  # a decode token costs four prompt tokens
+    d = decide(prefill(5000, 300, fit=line), decode(0, 300, 8, fit=line, budget=40), False,
+               tpot_slo_s=1.0)
+    assert d.where == LOCAL
+    assert d.tpot_s == pytest.approx(0.02 + 0.001 * 32 + 0.004 * 8)
+    assert d.ttft_s == pytest.approx(simulated_prefill_s(line, 40, 300, 8))
+    assert d.ttft_s == pytest.approx(10 * (0.02 + 0.004 * 8) + 0.001 * 300)
 
 
 def test_without_a_tpot_slo_local_must_save_more_than_it_costs_the_batch() -> None:
@@ -156,10 +157,9 @@ def test_random_cases_keep_the_rules_promises(seed) -> None:
         local = decode(rng.randrange(0, 1000), rng.randrange(1, 2000),
                        rng.choice([0, 0, 1, 8, 63]), fits[1], rng.choice([64, 256, 2048]),
                        rng.choice([0.0, rng.uniform(0, 2)]))
-        ttft_slo = rng.choice([None, rng.uniform(0.05, 5)])
         tpot_slo = rng.choice([None, rng.uniform(0.01, 1)])
         fallback = rng.random() < 0.5
-        d = decide(remote, local, fallback, ttft_slo, tpot_slo)
+        d = decide(remote, local, fallback, tpot_slo)
         if fits == [None, None]:
             assert d.where == (LOCAL if fallback else REMOTE) and d.reason == "unmeasured"
             continue
@@ -173,8 +173,6 @@ def test_random_cases_keep_the_rules_promises(seed) -> None:
             assert local_s < remote_s
             if local.num_decoding and tpot_slo is not None:
                 assert d.tpot_s <= tpot_slo
-            if local.num_decoding and ttft_slo is not None:
-                assert remote_s > ttft_slo
             if tpot_slo is None:
                 assert remote_s - local_s > local.num_decoding * line_l.per_token_s * local.work
         else:

@@ -209,3 +209,41 @@ def test_scheduler_config_refuses_a_bad_step_target(bad):
 def test_scheduler_config_refuses_an_unknown_policy_naming_the_choices():
     with pytest.raises(ValueError, match="scheduling_policy.*fcfs.*srpt.*'lifo'"):
         SchedulerConfig(scheduling_policy="lifo")
+
+
+def test_fit_recovers_prompt_and_decode_slopes_apart():
+    model = StepTimeModel()
+    a, bp, bd = 0.01, 1e-3, 3e-3  # a decode token costs three prompt tokens
+    for p, d in itertools.product((0, 64, 300), (1, 8, 32)):
+        model.observe(p + d, a + bp * p + bd * d, num_decodes=d)
+    fit = model.fit()
+    assert (fit.intercept_s, fit.per_token_s, fit.per_decode_s) == pytest.approx((a, bp, bd))
+    assert model.slope_fitted and model.decode_slope_fitted
+    assert fit.seconds(40, 8) == pytest.approx(a + bp * 32 + bd * 8)
+
+
+def test_decode_steps_alone_fit_the_decode_slope_and_price_prompts_with_it():
+    model = StepTimeModel()
+    for d in (1, 4, 16, 2, 9):
+        model.observe(d, 0.01 + 2e-3 * d, num_decodes=d)
+    fit = model.fit()
+    assert model.decode_slope_fitted and not model.slope_fitted  # no prompt sizes seen
+    assert fit.per_decode_s == pytest.approx(2e-3) and fit.per_token_s == fit.per_decode_s
+    assert fit.intercept_s == pytest.approx(0.01)
+
+
+def test_sizes_that_move_together_get_one_slope():
+    model = StepTimeModel()
+    for d in (1, 3, 8, 20):  # every step: 10 prompt tokens per decode token
+        model.observe(11 * d, 0.005 + 1e-3 * 11 * d, num_decodes=d)
+    fit = model.fit()
+    assert fit.per_token_s == pytest.approx(fit.decode_s) == pytest.approx(1e-3)
+    assert fit.intercept_s == pytest.approx(0.005)
+
+
+def test_token_budget_leaves_the_decodes_their_cost():
+    fit = StepFit(0.01, 1e-3, 2e-3)
+    # 10 decodes cost 0.01 + 0.02; 0.07 s are left for 70 prompt tokens: 80 in all
+    assert token_budget(fit, 0.1, 1, 4096, num_decodes=10) == 80
+    assert fit.seconds(80, 10) == pytest.approx(0.1)
+    assert token_budget(fit, 0.02, 11, 4096, num_decodes=10) == 11  # decodes alone overrun

@@ -28,8 +28,9 @@ def fake_core(tiers: KVTiers | None, pool: BlockPool) -> SimpleNamespace:
                             num_pulled_tokens=48, num_failed_pull_tokens=16)
     scheduler = SimpleNamespace(running=[], waiting=[], stats=stats,
                                 step_token_budget=lambda: 512, num_prefill_tokens=lambda: 77,
-                                step_time=SimpleNamespace(fit=lambda: StepFit(0.003, 0.0002),
-                                                          slope_fitted=True))
+                                step_time=SimpleNamespace(
+                                    fit=lambda: StepFit(0.003, 0.0002, 0.0004),
+                                    slope_fitted=True, decode_slope_fitted=True))
     kv_cache = SimpleNamespace(pool=pool, num_free_blocks=pool.num_free_blocks, tiers=tiers)
     config = SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=8),
                              cache=SimpleNamespace(block_size=BS),
@@ -80,7 +81,7 @@ def test_from_core_reports_zeros_without_tiers() -> None:
     # the steps' line and queue are measured with or without tiers
     assert s.step_counts() == {"step_token_budget": 512, "prefill_s_per_token": 0.0002,
                                "step_intercept_s": 0.003, "step_slope_fitted": True,
-                               "num_prefill_tokens": 77}
+                               "decode_s_per_token": 0.0004, "num_prefill_tokens": 77}
     assert s.num_computed_tokens == 1234 and s.num_blocks == 16
     assert (s.num_pulled_tokens, s.num_failed_pull_tokens) == (48, 16)
 

@@ -40,9 +40,9 @@ NEXT = list(range(2000, 2100))  # 100 tokens: sooner on the idle decode worker
 class FixedLine:
     """A step-time model that has fitted 2 ms + 0.5 ms a token and learns nothing more."""
 
-    slope_fitted = True
+    slope_fitted, decode_slope_fitted = True, False
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
+    def observe(self, num_tokens: int, seconds: float, num_decodes: int = 0) -> None:
         pass
 
     def fit(self) -> StepFit:
