@@ -44,7 +44,10 @@ if [[ ! -x "$SERVER" ]]; then
 fi
 
 if [[ ! -f "$GGUF" ]]; then
-    PYTHONPATH="$SRC/gguf-py" "$PYTHON" "$SRC/convert_hf_to_gguf.py" "$MODEL_DIR" \
+    # the converter imports sentencepiece even for a BPE tokenizer: kept beside it, not in .venv
+    [[ -d "$DIR/py/sentencepiece" ]] || "$PYTHON" -m pip install --quiet \
+        --disable-pip-version-check --target "$DIR/py" sentencepiece >&2
+    PYTHONPATH="$SRC/gguf-py:$DIR/py" "$PYTHON" "$SRC/convert_hf_to_gguf.py" "$MODEL_DIR" \
         --outtype bf16 --outfile "$GGUF" >&2
 fi
 echo "$SERVER"

@@ -7,7 +7,9 @@ vllm.entrypoints.openai.api_server` from the vLLM virtualenv that
 benchmarks/install_vllm_cpu.sh makes — on the same model directory, dtype and cores:
 
 - pdserve disaggregated: 1 prefill + 1 decode worker (threads: `pdserve up`'s split of the
-  cores, 1 prefill + 2 decode here, or `--threads` each);
+  cores, 1 prefill + 2 decode here, or `--threads` each); `pdserve-pd-fixed` with every
+  prompt on the prefill worker (`--prefill-placement fixed`, the rule before adaptive
+  placement);
 - pdserve colocated: `--colocated-workers` (1) workers that prefill their own prompts (a lone
   one gets every core);
 - vLLM: VLLM_CPU_OMP_THREADS_BIND=0-<cores-1>, VLLM_CPU_KVCACHE_SPACE=2 (GiB);
@@ -90,8 +92,9 @@ def command(system: str, args: argparse.Namespace, model_dir: str, port: int) ->
         return [args.llamacpp_server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
                 "-np", str(args.concurrency), "-c", str(2048 * args.concurrency),
                 "-t", str(os.cpu_count() or 1)], env
-    mode = (["--mode", "colocated", "--decode-workers", str(args.colocated_workers)]
-            if system == "pdserve-colocated" else [])
+    mode = {"pdserve-colocated": ["--mode", "colocated", "--decode-workers",
+                                  str(args.colocated_workers)],
+            "pdserve-pd-fixed": ["--prefill-placement", "fixed"]}.get(system, [])
     threads = ([] if args.threads is None else
                ["--prefill-threads", str(args.threads), "--decode-threads", str(args.threads)])
     return [str(ROOT / ".venv" / "bin" / "pdserve"), "up", "--model", model_dir,

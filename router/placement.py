@@ -391,11 +391,12 @@ def _decode_option(c: DecodeClient, num_uncached_tokens: int, wait_s: float,
                    prompt_line: StepFit | None) -> Option:
     """The decode worker as the place to prefill a prompt, after `wait_s` (a prefix it pulls):
     its queue is the prompt tokens it reported queued plus those sent since, beside the
-    sequences running there. Until it has timed prompts of clearly different sizes its prompt
-    slope is not a prompt's: it is priced at `prompt_line`'s (the prefill worker's) beside its
-    own fixed and decode costs, once it has those."""
+    sequences it last reported running (those sent since wait for their own prefill, here
+    or remote, while this one runs). Until it has timed prompts of clearly different sizes
+    its prompt slope is not a prompt's: it is priced at `prompt_line`'s (the prefill worker's)
+    beside its own fixed and decode costs, once it has those."""
     load = c.load
-    _, requests, tokens = c.num_pending  # this request among the requests
+    tokens = c.num_pending[2]
     queued, running = (load.num_prefill_tokens, load.num_running) if load else (0, 0)
     line = _line(load, fitted_only=True)
     if line is None and prompt_line is not None and load is not None and (
@@ -403,7 +404,7 @@ def _decode_option(c: DecodeClient, num_uncached_tokens: int, wait_s: float,
         line = StepFit(max(load.step_intercept_s, 0.0), prompt_line.per_token_s,
                        load.decode_s_per_token)
     return Option(c.worker_id, queued + tokens, num_uncached_tokens, line, _budget(load),
-                  num_decoding=running + max(requests - 1, 0), wait_s=wait_s)
+                  num_decoding=running, wait_s=wait_s)
 
 
 def _line(load: worker_pb2.WorkerLoad | None, fitted_only: bool) -> StepFit | None:
