@@ -230,8 +230,11 @@ class Scheduler:
     def _schedule_running(
         self, scheduled: list[tuple[Request, int]], adapters: set[LoRARequest], budget: int,
     ) -> tuple[int, bool]:
-        """Give running requests their next tokens, in order, preempting the newest when the
-        pool runs dry. Returns the budget left and whether anyone was preempted."""
+        """Give running requests their next tokens, decodes first (a prompt's chunk takes
+        what the step's budget has left: under a time-sized budget it would otherwise hold
+        every decode behind it until it is done), then in order, preempting the last when
+        the pool runs dry. Returns the budget left and whether anyone was preempted."""
+        self.running.sort(key=lambda r: r.num_tokens - r.num_computed_tokens > 1)  # stable
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:

@@ -260,3 +260,34 @@ def test_remote_transfer_failure_ends_the_request_with_its_reason():
     assert out.new_token_ids == () and "a" not in scheduler.requests
     assert kv.num_free_blocks == 6 and scheduler.num_remote == 1  # b still holds its 2
     assert scheduler.reserve_remote(Request("c", (1,), SamplingParams(), (EOS,))) is not None
+
+
+def test_a_landed_remote_request_decodes_every_step_beside_a_long_local_prompt():
+    """Decodes are scheduled before the prompt chunks of running requests: a remote request
+    admitted behind a local prompt part-way through its prefill gets its token each step
+    (the chunk takes what is left), not only once the prompt is done."""
+    kv, connector = KVCacheManager(64, 4, True), FakeConnector()
+    connector.kv = kv
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16), kv, 128,
+                          connector)
+    runner = FakeRunner(64, 4)
+    local = Request("local", tuple(range(20, 100)), SamplingParams(max_tokens=2), (EOS,))
+    scheduler.add_request(local)
+    plan = scheduler.schedule()  # 16 of its 80 prompt tokens
+    scheduler.update(plan, runner.execute(plan))
+    prompt = [11, 12, 13, 14, 15, 16]
+    remote = Request("remote", tuple(prompt), SamplingParams(max_tokens=6), (EOS,))
+    blocks = scheduler.reserve_remote(remote)
+    runner.cache[runner.slots(tuple(blocks), range(len(prompt)))] = prompt
+    connector.land("remote", next_token(prompt))
+    tokens, chunks = [], []
+    for _ in range(4):  # 64 prompt tokens left: four steps of it
+        plan = scheduler.schedule()
+        sizes = {e.request_id: e.num_tokens for e in plan.requests}
+        assert sizes.get("remote") == 1, sizes  # every step, the prompt still prefilling
+        chunks.append(sizes.get("local"))
+        for out in scheduler.update(plan, runner.execute(plan)):
+            if out.request_id == "remote":
+                tokens += out.new_token_ids
+    assert chunks == [15, 15, 15, 15]  # the budget less the decode
+    assert tokens == reference(prompt, 6, 128)[:5]  # the landed first token, then four
