@@ -27,7 +27,6 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.router import Router
 from pdserve.router.validation import ModelContext, ValidRequest
-from tests.faults.worker_plane import start_decode, start_prefill, worker_spec
 from tests.workers.pd import SECRET
 
 CALL_S = 60.0
@@ -50,15 +49,10 @@ class FixedLine:
 
 
 @pytest.fixture(scope="module")
-def plane(tiny_llama_dir):
-    prefill = start_prefill(worker_spec(tiny_llama_dir, "prefill-0"), SECRET)
-    prefill.worker.core.scheduler.step_time = FixedLine()
-    decode = start_decode(worker_spec(tiny_llama_dir, "decode-0"), SECRET)
-    try:
-        yield prefill, decode
-    finally:
-        decode.stop()
-        prefill.stop()
+def fixed_plane(plane):
+    """The module's plane, its prefill worker's step times on a fixed line."""
+    plane[0].worker.core.scheduler.step_time = FixedLine()
+    return plane
 
 
 def sample(metrics: RouterMetrics, name: str, **labels: str) -> float:
@@ -94,10 +88,11 @@ async def run(model, plane, metrics: RouterMetrics):
         await router.close()
 
 
-def test_a_busy_prefill_worker_sends_the_next_prompt_to_the_decode_worker(tiny_llama_dir, plane):
+def test_a_busy_prefill_worker_sends_the_next_prompt_to_the_decode_worker(tiny_llama_dir,
+                                                                         fixed_plane):
     model = ModelContext.load(str(tiny_llama_dir), "tiny", max_model_len=512)
     metrics = RouterMetrics()
-    queued, local, still_queued = asyncio.run(run(model, plane, metrics))
+    queued, local, still_queued = asyncio.run(run(model, fixed_plane, metrics))
     # the second prompt finished while the first still waited at the prefill worker
     assert still_queued
     offline = LLM(str(tiny_llama_dir), max_model_len=512, num_kv_blocks=64, num_threads=1)
@@ -108,7 +103,7 @@ def test_a_busy_prefill_worker_sends_the_next_prompt_to_the_decode_worker(tiny_l
     # the held prompt went remote: no sooner on the decode worker (a tie spares it)
     assert sample(metrics, placements, where="remote", reason="sooner") == 1
     assert sample(metrics, "pdserve_predicted_ttft_seconds_count", where="local") == 1
-    prefill, decode = plane
+    prefill, decode = fixed_plane
     stats = decode.worker.stats()
     assert stats.num_free_blocks == stats.num_blocks and stats.num_reserved == 0
     assert (stats.num_running, stats.num_waiting) == (0, 0)

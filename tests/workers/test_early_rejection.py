@@ -30,23 +30,11 @@ from pdserve.router.placement import TTFTUnmeetable
 from pdserve.router.router import Router
 from pdserve.router.server import RouterServer
 from pdserve.router.validation import ModelContext, ValidRequest
-from tests.faults.worker_plane import start_decode, start_prefill, worker_spec
 from tests.workers.pd import SECRET
 
 CALL_S = 60.0
 SLO_S = 1e-6
 PROMPT = list(range(300, 340))
-
-
-@pytest.fixture(scope="module")
-def plane(tiny_llama_dir):
-    prefill = start_prefill(worker_spec(tiny_llama_dir, "prefill-0"), SECRET)
-    decode = start_decode(worker_spec(tiny_llama_dir, "decode-0"), SECRET)
-    try:
-        yield prefill, decode
-    finally:
-        decode.stop()
-        prefill.stop()
 
 
 def request(i: int) -> pdserve_pb2.GenerateRequest:
