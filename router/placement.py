@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Mapping
 
@@ -399,23 +400,24 @@ def _decode_option(c: DecodeClient, num_uncached_tokens: int, wait_s: float,
     tokens = c.num_pending[2]
     queued, running = (load.num_prefill_tokens, load.num_running) if load else (0, 0)
     line = _line(load, fitted_only=True)
-    if line is None and prompt_line is not None and load is not None and (
-            load.decode_s_per_token > 0):
-        line = StepFit(max(load.step_intercept_s, 0.0), prompt_line.per_token_s,
-                       load.decode_s_per_token)
+    if line is None and prompt_line is not None and (own := _line(load, False)) is not None \
+            and own.per_decode_s is not None:
+        line = StepFit(own.intercept_s, prompt_line.per_token_s, own.per_decode_s)
     return Option(c.worker_id, queued + tokens, num_uncached_tokens, line, _budget(load),
                   num_decoding=running, wait_s=wait_s)
 
 
 def _line(load: worker_pb2.WorkerLoad | None, fitted_only: bool) -> StepFit | None:
-    """The step-time fit a worker last reported (None: none, or no fitted prompt slope when
-    `fitted_only`)."""
-    if load is None or not load.prefill_s_per_token > 0:
+    """The step-time fit a worker last reported (None: none, one that is not a number, or no
+    fitted prompt slope when `fitted_only`); a negative intercept or decode slope (a fit over
+    noise) reads as none."""
+    if load is None or (fitted_only and not load.step_slope_fitted):
         return None
-    if fitted_only and not load.step_slope_fitted:
+    values = (load.step_intercept_s, load.prefill_s_per_token, load.decode_s_per_token)
+    if not (all(map(math.isfinite, values)) and load.prefill_s_per_token > 0):
         return None
     return StepFit(max(load.step_intercept_s, 0.0), load.prefill_s_per_token,
-                   load.decode_s_per_token or None)
+                   load.decode_s_per_token if load.decode_s_per_token > 0 else None)
 
 
 def _budget(load: worker_pb2.WorkerLoad | None) -> int:

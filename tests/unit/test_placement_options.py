@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 from pdserve.engine.step_budget import StepFit
@@ -54,3 +55,13 @@ def test_a_prefill_worker_is_priced_at_its_mean_cost_before_its_slope_is_fitted(
     assert option.num_decoding == 0
     silent = SimpleNamespace(worker_id="p", load=None, num_inflight_tokens=0)
     assert _prefill_option(silent, 300).fit is None
+
+
+def test_a_fit_that_is_not_a_number_reads_as_none():
+    for bad in ({"step_intercept_s": math.nan}, {"prefill_s_per_token": math.inf},
+                {"decode_s_per_token": math.nan}):
+        c = decode_client(**{"prefill_s_per_token": 0.001, "step_slope_fitted": True} | bad)
+        assert _decode_option(c, 10, 0.0, PROMPT_LINE).fit is None
+    negative = decode_client(prefill_s_per_token=0.001, step_slope_fitted=True,
+                             decode_s_per_token=-0.001)
+    assert _decode_option(negative, 10, 0.0, None).fit == StepFit(0.0, 0.001, None)
