@@ -76,6 +76,7 @@ class RouterMetrics:
         self._thread: threading.Thread | None = None
         self._build_latency()
         self._build_counters()
+        self._build_placement()
         self._build_gauges()
         self.view.register(_ServiceView(self))
 
@@ -147,6 +148,22 @@ class RouterMetrics:
         self.pull_saved_seconds = Counter(
             "pdserve_kv_pull_saved_seconds", "Prefill time pulled prefixes saved: their tokens at "
             "the measured prefill rate, less the pulls' own time.", registry=reg)
+        self.migrations = Counter(
+            "pdserve_router_migrations", "Requests moved to another decode worker after theirs "
+            "died mid-stream, by outcome (failed: no decode worker could take it).",
+            ["outcome"], registry=reg)
+        for outcome in MIGRATION_OUTCOMES:
+            self.migrations.labels(outcome)
+        # decode workers' speculative decoding counts (`set` from their load reports)
+        self.speculation = SpeculationCounters()
+        reg.register(self.speculation)
+        # every worker's computed tokens and KV tier counts (`set` from its load reports)
+        self.kv_tiers = KVTierMetrics()
+        reg.register(self.kv_tiers)
+
+    def _build_placement(self) -> None:
+        """What adaptive placement decided, and what it predicted (router.disaggregation)."""
+        reg = self.registry
         self.placements = Counter(
             "pdserve_prefill_placements", "Where prompts were prefilled with adaptive placement "
             "(remote: a prefill worker; local: their decode worker), by the reason "
@@ -162,18 +179,6 @@ class RouterMetrics:
             "pdserve_predicted_tpot_seconds", "The decode batch's TPOT adaptive placement "
             "predicted while a prompt it placed is prefilled.", ["where"], buckets=ITL_BUCKETS,
             registry=reg)
-        self.migrations = Counter(
-            "pdserve_router_migrations", "Requests moved to another decode worker after theirs "
-            "died mid-stream, by outcome (failed: no decode worker could take it).",
-            ["outcome"], registry=reg)
-        for outcome in MIGRATION_OUTCOMES:
-            self.migrations.labels(outcome)
-        # decode workers' speculative decoding counts (`set` from their load reports)
-        self.speculation = SpeculationCounters()
-        reg.register(self.speculation)
-        # every worker's computed tokens and KV tier counts (`set` from its load reports)
-        self.kv_tiers = KVTierMetrics()
-        reg.register(self.kv_tiers)
 
     def _build_gauges(self) -> None:
         reg = self.registry
