@@ -41,7 +41,8 @@ def test_a_bursts_first_token_comes_long_before_its_last_prompt_is_prefilled(ray
     default = ServeSettings()
     settings = tiny_settings(
         smollm2_dir, ray_cluster.address, max_model_len=1024, num_kv_blocks=512,
-        max_num_seqs=default.max_num_seqs, max_num_batched_tokens=default.max_num_batched_tokens)
+        max_num_seqs=default.max_num_seqs, max_num_batched_tokens=default.max_num_batched_tokens,
+        prefill_placement=default.prefill_placement)
     assert (settings.prefill_step_ms, settings.prefill_placement) == (200.0, "adaptive")
     with running(settings) as service:
         ttfts = service.run(burst(service.address))
