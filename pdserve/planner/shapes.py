@@ -62,6 +62,8 @@ class Cell:
 def simulate_shape(trace: Sequence[TraceRequest], shape: Shape, perf: PerfModel, slo: SLO,
                    step_budget_tokens: int = 2048) -> metrics.Summary:
     """`trace` served by `shape` (pools fixed), judged against `slo`."""
+    # the planner never ticks (NEVER_S): its targets are unused, and a colocated shape's
+    # prefill pool is never started (a policy keeps at least one in its bounds)
     policy = PlannerPolicy(
         name=shape.name, interval_s=NEVER_S, ttft_target_s=slo.ttft_s or 1.0,
         itl_target_s=slo.tpot_s or 1.0, min_prefill_workers=max(shape.num_prefill, 1),
