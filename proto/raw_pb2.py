@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/proto/raw.proto\x12\x0epdserve.raw.v1\"/\n\x0eRawChatMessage\x12\x0c\n\x04role\x18\x01 \x01(\x0c\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\"!\n\x11RawSamplingParams\x12\x0c\n\x04stop\x18\x07 \x03(\x0c\"\xd2\x01\n\x12RawGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x0c\x12\x13\n\x06prompt\x18\x02 \x01(\x0cH\x00\x88\x01\x01\x12\x30\n\x08messages\x18\x04 \x03(\x0b\x32\x1e.pdserve.raw.v1.RawChatMessage\x12\x33\n\x08sampling\x18\x05 \x01(\x0b\x32!.pdserve.raw.v1.RawSamplingParams\x12\x12\n\nsession_id\x18\x06 \x01(\x0c\x12\r\n\x05model\x18\x07 \x01(\x0c\x42\t\n\x07_prompt\"%\n\x0fRawAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/proto/raw.proto\x12\x0epdserve.raw.v1\"/\n\x0eRawChatMessage\x12\x0c\n\x04role\x18\x01 \x01(\x0c\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\"!\n\x11RawSamplingParams\x12\x0c\n\x04stop\x18\x07 \x03(\x0c\"\xf0\x01\n\x12RawGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x0c\x12\x13\n\x06prompt\x18\x02 \x01(\x0cH\x00\x88\x01\x01\x12\x30\n\x08messages\x18\x04 \x03(\x0b\x32\x1e.pdserve.raw.v1.RawChatMessage\x12\x33\n\x08sampling\x18\x05 \x01(\x0b\x32!.pdserve.raw.v1.RawSamplingParams\x12\x12\n\nsession_id\x18\x06 \x01(\x0c\x12\r\n\x05model\x18\x07 \x01(\x0c\x12\x1c\n\x14\x63hat_template_kwargs\x18\x0b \x01(\x0c\x42\t\n\x07_prompt\"%\n\x0fRawAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x0c\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,7 +36,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RAWSAMPLINGPARAMS']._serialized_start=92
   _globals['_RAWSAMPLINGPARAMS']._serialized_end=125
   _globals['_RAWGENERATEREQUEST']._serialized_start=128
-  _globals['_RAWGENERATEREQUEST']._serialized_end=338
-  _globals['_RAWABORTREQUEST']._serialized_start=340
-  _globals['_RAWABORTREQUEST']._serialized_end=377
+  _globals['_RAWGENERATEREQUEST']._serialized_end=368
+  _globals['_RAWABORTREQUEST']._serialized_start=370
+  _globals['_RAWABORTREQUEST']._serialized_end=407
 # @@protoc_insertion_point(module_scope)

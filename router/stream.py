@@ -20,6 +20,7 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.proto import pdserve_pb2, worker_pb2
 from pdserve.router.flight import Flight, Placement
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.reasoning import split
 from pdserve.router.tools import finish_reason, read_reply
 from pdserve.router.validation import ValidRequest
 from pdserve.router.workers import Lost, WorkerLost
@@ -37,7 +38,7 @@ class ResponseStream:
         self.detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids, req.params.stop,
                                             req.params.skip_special_tokens)
         self.token_ids: list[int] = []
-        self.text = ""  # read for tool calls at the end, when the request has tools
+        self.text = ""  # read at the end for reasoning and tool calls, when the request has them
         self.first_at: float | None = None
         self.last_at = received
         self.num_migrations = 0  # placements after the first
@@ -141,17 +142,28 @@ class ResponseStream:
         self.text += tail
         return tail
 
+    def _read_reply(self, message: pdserve_pb2.GenerateResponse, reason: str) -> str:
+        """The whole reply read into the last message: its reasoning split off (when the
+        request has a reasoning mode), then tool calls read from the rest (when it has tools);
+        returns the finish reason, "tool_calls" when the model called some."""
+        content = self.text
+        if self.req.reasoning_mode is not None:
+            reasoning, content = split(self.text, self.req.reasoning_mode)
+            message.reasoning_content, message.content = reasoning or "", content
+        if self.req.tools is not None:
+            content, calls = read_reply(self.req.tools, self.req.tool_call_parser, content)
+            message.content = content or ""
+            message.tool_calls.extend(pdserve_pb2.ToolCall(id=c.id, name=c.name,
+                                                           arguments=c.arguments) for c in calls)
+            reason = finish_reason(reason, bool(calls))
+        return reason
+
     def _finish(self, message: pdserve_pb2.GenerateResponse, reason: str,
                 stop_reason: str | None) -> pdserve_pb2.GenerateResponse:
         now = time.monotonic()
         cached = self.num_cached_tokens
         num_prompt = len(self.req.prompt_token_ids)
-        if self.req.tools is not None:
-            content, calls = read_reply(self.req.tools, self.req.tool_call_parser, self.text)
-            message.content = content or ""
-            message.tool_calls.extend(pdserve_pb2.ToolCall(id=c.id, name=c.name,
-                                                           arguments=c.arguments) for c in calls)
-            reason = finish_reason(reason, bool(calls))
+        reason = self._read_reply(message, reason)
         message.finish_reason = reason
         message.stop_reason = stop_reason or ""
         message.usage.CopyFrom(pdserve_pb2.Usage(

@@ -12,6 +12,8 @@ A session id is scoped by the caller's tenant (`pdserve.redis_keys.scoped_sessio
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import uuid
 from collections.abc import Sequence
@@ -35,6 +37,7 @@ from pdserve.proto import pdserve_pb2, raw_pb2
 from pdserve.redis_keys import PUBLIC_TENANT, scoped_session_id
 from pdserve.router.invalid_argument import InvalidArgument
 from pdserve.router.lora_adapters import LoRAAdapters
+from pdserve.router.reasoning import check_parser, enable_thinking, first_mode
 from pdserve.router.tools import ToolRequest, forced_schema, parse_tools
 from pdserve.wire import sampling_from_proto
 
@@ -55,18 +58,24 @@ class ModelContext:
     eos_token_ids: tuple[int, ...] = ()
     tool_call_parser: str = "hermes"  # the chat template's tool-call format (router.tools)
     loras: LoRAAdapters | None = field(default=None, compare=False)
+    reasoning_parser: str | None = None  # chat replies' reasoning split off (router.reasoning)
+
+    def __post_init__(self) -> None:
+        check_parser(self.reasoning_parser)
 
     @classmethod
     def load(cls, path: str, name: str, dtype: str = "auto", max_model_len: int | None = None,
              tool_call_parser: str = "hermes", max_lora_rank: int | None = None,
-             lora_modules: dict[str, str] | None = None) -> ModelContext:
+             lora_modules: dict[str, str] | None = None,
+             reasoning_parser: str | None = None) -> ModelContext:
         """`max_lora_rank` None: LoRA not enabled; else `lora_modules` (name -> path) are
         served from the start (ValueError naming a bad one)."""
         config = load_model_config(path, dtype, max_model_len)
         loras = None if max_lora_rank is None else LoRAAdapters(
             config, name, max_lora_rank, lora_modules or {})
         return cls(name, load_tokenizer(path), config.vocab_size, config.max_model_len,
-                   config.dtype, config.eos_token_ids, tool_call_parser, loras)
+                   config.dtype, config.eos_token_ids, tool_call_parser, loras,
+                   reasoning_parser)
 
     def lora(self, name: str) -> LoRARequest | None:
         """The adapter a request's `model` names: None for the base model (or no name);
@@ -114,6 +123,8 @@ class ValidRequest:
     tools: ToolRequest | None = None  # the answer is read for tool calls (not for "none")
     tool_call_parser: str = "hermes"
     lora: LoRARequest | None = None  # the LoRA adapter the request's `model` names
+    # the reply's reasoning is split off from this scanner mode (router.reasoning); None: not
+    reasoning_mode: str | None = None
 
     def continued(self, output_token_ids: Sequence[int]) -> ValidRequest:
         """This request as another decode worker takes it over after `output_token_ids` were
@@ -147,7 +158,8 @@ def _bad_utf8_field(data: bytes) -> str | None:
     except DecodeError:
         return None
     fields = [("request_id", raw.request_id), ("session_id", raw.session_id),
-              ("model", raw.model), ("prompt", raw.prompt)]
+              ("model", raw.model), ("prompt", raw.prompt),
+              ("chat_template_kwargs", raw.chat_template_kwargs)]
     for i, m in enumerate(raw.messages):
         fields += [(f"messages[{i}].role", m.role), (f"messages[{i}].content", m.content)]
     fields += [(f"sampling.stop[{i}]", s) for i, s in enumerate(raw.sampling.stop)]
@@ -172,7 +184,8 @@ def validate(request: pdserve_pb2.GenerateRequest, model: ModelContext,
     tools = _request_tools(request)
     if tools is not None and not request.messages:
         raise InvalidArgument("tools: tools need messages (the chat template renders them)")
-    prompt_ids = _prompt_ids(request, model, tools)
+    template_kwargs = _template_kwargs(request)
+    prompt_ids = _prompt_ids(request, model, tools, template_kwargs)
     try:
         check_prompt_length(len(prompt_ids), model.max_model_len)
     except ValueError as exc:
@@ -201,9 +214,12 @@ def validate(request: pdserve_pb2.GenerateRequest, model: ModelContext,
         params = prepare_params(params, model.tokenizer, model.vocab_size)
     except ValueError as exc:
         raise InvalidArgument(f"sampling.{exc}") from None
+    reasoning = first_mode(model.reasoning_parser, enable_thinking(template_kwargs),
+                           params.structured_outputs is not None) if request.messages else None
     return ValidRequest(request_id, tuple(prompt_ids), params, session_id,
                         tools=tools if tools is not None and tools.choice != "none" else None,
-                        tool_call_parser=model.tool_call_parser, lora=lora)
+                        tool_call_parser=model.tool_call_parser, lora=lora,
+                        reasoning_mode=reasoning)
 
 
 def _chat_message(m: pdserve_pb2.ChatMessage) -> dict[str, Any]:
@@ -254,8 +270,64 @@ def _request_tools(request: pdserve_pb2.GenerateRequest) -> ToolRequest | None:
     return parse_tools(body)
 
 
+def _template_kwargs(request: pdserve_pb2.GenerateRequest) -> dict[str, Any]:
+    """The request's chat_template_kwargs, checked: a JSON object for a chat, its keys none
+    of those the template call itself takes (the server sets those)."""
+    if not request.chat_template_kwargs:
+        return {}
+    if not request.messages:
+        raise InvalidArgument("chat_template_kwargs: needs messages (the chat template takes "
+                              "them)")
+    try:
+        kwargs = json.loads(request.chat_template_kwargs)
+    except (ValueError, RecursionError):
+        raise InvalidArgument("chat_template_kwargs is not JSON") from None
+    if not isinstance(kwargs, dict):
+        raise InvalidArgument("chat_template_kwargs must be a JSON object")
+    reserved = sorted(set(kwargs) & _template_call_parameters())
+    if reserved:
+        raise InvalidArgument(f"chat_template_kwargs: {', '.join(reserved)} set by the server, "
+                              "not by a request")
+    try:
+        enable_thinking(kwargs)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+    return kwargs
+
+
+@functools.cache
+def _template_call_parameters() -> frozenset[str]:
+    """The parameters of transformers' apply_chat_template (tokenize, chat_template, ...)
+    and the template's own `messages`: a request's template variables must not reach them."""
+    from transformers import PreTrainedTokenizerBase
+
+    parameters = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    return frozenset({"messages", "conversations"} | {
+        name for name, p in parameters.items()
+        if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and name != "self"})
+
+
+class _TemplateVariables:
+    """A tokenizer whose chat template renders with a request's extra variables: chat_prompt
+    (the engine's) takes none, so they ride on the tokenizer it is given. Everything else is
+    the tokenizer's own."""
+
+    def __init__(self, tokenizer: Any, variables: dict[str, Any]) -> None:
+        self._tokenizer, self._variables = tokenizer, variables
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        return self._tokenizer.apply_chat_template(*args, **{**self._variables, **kwargs})
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._tokenizer(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+
 def _prompt_ids(request: pdserve_pb2.GenerateRequest, model: ModelContext,
-                tools: ToolRequest | None = None) -> list[int]:
+                tools: ToolRequest | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
     given = [name for name, present in (
         ("prompt", request.HasField("prompt")),
         ("prompt_token_ids", bool(request.prompt_token_ids)),
@@ -269,7 +341,9 @@ def _prompt_ids(request: pdserve_pb2.GenerateRequest, model: ModelContext,
     try:
         if given[0] == "messages":
             messages = [_chat_message(m) for m in request.messages]
-            return chat_prompt(messages, model.tokenizer, tools and tools.tools)
+            tokenizer = (_TemplateVariables(model.tokenizer, template_kwargs) if template_kwargs
+                         else model.tokenizer)
+            return chat_prompt(messages, tokenizer, tools and tools.tools)
         prompt = request.prompt if given[0] == "prompt" else list(request.prompt_token_ids)
         return tokenize_prompt(prompt, model.tokenizer, model.vocab_size)
     except ValueError as exc:

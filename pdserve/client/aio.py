@@ -63,11 +63,13 @@ class AsyncClient:
                  messages: Sequence[dict] | None = None, sampling: SamplingParams | None = None,
                  session_id: str = "", request_id: str = "", model: str = "",
                  tools: Sequence[dict] | None = None, tool_choice: str | None = None,
+                 chat_template_kwargs: dict | None = None,
                  timeout: float | None = None) -> AsyncIterator[GenerateChunk]:
         """Streams the answer; the RPC starts at the first `anext` and is cancelled on exit."""
         request = build_request(prompt, messages=messages, sampling=sampling,
                                 session_id=session_id, request_id=request_id, model=model,
-                                tools=tools, tool_choice=tool_choice)
+                                tools=tools, tool_choice=tool_choice,
+                                chat_template_kwargs=chat_template_kwargs)
         return self._stream(request, self._deadline(timeout))
 
     async def complete(self, prompt: str | Sequence[int] | None = None,

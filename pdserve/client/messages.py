@@ -43,7 +43,8 @@ class GenerateChunk:
 
     finish_reason ("stop" | "length" | "abort" | "tool_calls"), usage, timings, and the tool
     calls read from the reply (with `content`, the text outside them) come on the last chunk
-    only; prompt logprobs (when asked) on the first.
+    only; prompt logprobs (when asked) on the first. With the router's --reasoning-parser, a
+    chat's last chunk has `reasoning_content` (None: no reasoning) and `content`, the answer.
     """
 
     request_id: str
@@ -57,6 +58,7 @@ class GenerateChunk:
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
     tool_calls: tuple[ToolCall, ...] = ()
     content: str | None = None
+    reasoning_content: str | None = None
 
 
 @dataclass(frozen=True)
@@ -73,19 +75,22 @@ class Completion:
     timings: Timings | None
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # positions 1.., when asked
     tool_calls: tuple[ToolCall, ...] = ()
-    content: str | None = None  # with tool calls: the text outside them
+    content: str | None = None  # with tool calls: the text outside them; after the reasoning
+    reasoning_content: str | None = None  # the reply's <think> block (--reasoning-parser)
 
 
 def build_request(
     prompt: str | Sequence[int] | None = None, *, messages: Sequence[dict] | None = None,
     sampling: SamplingParams | None = None, session_id: str = "", request_id: str = "",
     model: str = "", tools: Sequence[dict] | None = None, tool_choice: str | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> pdserve_pb2.GenerateRequest:
     """The GenerateRequest; with `sampling` None no sampling field is sent (server defaults).
 
     `messages` are OpenAI's chat messages (an assistant turn's `tool_calls`, a tool turn's
     `tool_call_id` included); `tools` OpenAI's function tools; `tool_choice` "none", "auto",
-    "required" or a function's name."""
+    "required" or a function's name; `chat_template_kwargs` the chat template's extra
+    variables (e.g. {"enable_thinking": False})."""
     if (prompt is None) == (messages is None):
         raise ValueError("pass exactly one of prompt (text or token ids) and messages")
     request = pdserve_pb2.GenerateRequest(request_id=request_id, session_id=session_id,
@@ -110,6 +115,8 @@ def build_request(
         setattr(request.tool_choice, tool_choice, True)
     elif tool_choice is not None:
         request.tool_choice.function = tool_choice
+    if chat_template_kwargs:
+        request.chat_template_kwargs = json.dumps(chat_template_kwargs)
     if sampling is not None:
         request.sampling.CopyFrom(sampling_to_proto(sampling))
     return request
@@ -131,6 +138,7 @@ def chunk_from_proto(msg: pdserve_pb2.GenerateResponse) -> GenerateChunk:
         prompt_logprobs=tuple(logprobs_from_proto(lp) for lp in msg.prompt_logprobs),
         tool_calls=tuple(ToolCall(c.id, c.name, c.arguments) for c in msg.tool_calls),
         content=msg.content or None,
+        reasoning_content=msg.reasoning_content or None,
     )
 
 
@@ -146,4 +154,5 @@ def collect(chunks: Iterable[GenerateChunk]) -> Completion:
         usage=last.usage, timings=last.timings,
         prompt_logprobs=tuple(lp for c in chunks for lp in c.prompt_logprobs),
         tool_calls=last.tool_calls, content=last.content,
+        reasoning_content=last.reasoning_content,
     )

@@ -51,11 +51,13 @@ class Client:
                  messages: Sequence[dict] | None = None, sampling: SamplingParams | None = None,
                  session_id: str = "", request_id: str = "", model: str = "",
                  tools: Sequence[dict] | None = None, tool_choice: str | None = None,
+                 chat_template_kwargs: dict | None = None,
                  timeout: float | None = None) -> Iterator[GenerateChunk]:
         """Streams the answer; the RPC starts at the first `next` and is cancelled on exit."""
         request = build_request(prompt, messages=messages, sampling=sampling,
                                 session_id=session_id, request_id=request_id, model=model,
-                                tools=tools, tool_choice=tool_choice)
+                                tools=tools, tool_choice=tool_choice,
+                                chat_template_kwargs=chat_template_kwargs)
         return self._stream(request, self._deadline(timeout))
 
     def complete(self, prompt: str | Sequence[int] | None = None, **kwargs: Any) -> Completion:

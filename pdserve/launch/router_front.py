@@ -47,6 +47,7 @@ class RouterSpec:
     redis_password: str | None = field(default=None, repr=False)
     api_tokens: tuple[str, ...] = field(default=(), repr=False)
     tool_call_parser: str = "hermes"
+    reasoning_parser: str | None = None  # None: chat replies' reasoning not split off
     max_lora_rank: int | None = None  # None: LoRA not enabled
     lora_modules: dict[str, str] = field(default_factory=dict)  # served from the start
 
@@ -85,7 +86,7 @@ def router_spec(s, model_path: str, model_name: str, redis_url: str, tls: TLSFil
         session_ttl_s=s.session_ttl_s, session_max_tokens=s.session_max_tokens,
         max_sessions_per_tenant=s.max_sessions_per_token,
         redis_password=s.redis_password, api_tokens=api_tokens,
-        tool_call_parser=s.tool_call_parser,
+        tool_call_parser=s.tool_call_parser, reasoning_parser=s.reasoning_parser,
         max_lora_rank=s.max_lora_rank if s.lora_config() is not None else None,
         lora_modules=parse_lora_modules(s.lora_modules))
 
@@ -112,7 +113,8 @@ class RouterFronts:
 
         model = await asyncio.to_thread(ModelContext.load, spec.model_path, spec.model_name,
                                         spec.dtype, spec.max_model_len, spec.tool_call_parser,
-                                        spec.max_lora_rank, spec.lora_modules)
+                                        spec.max_lora_rank, spec.lora_modules,
+                                        spec.reasoning_parser)
         store = RedisStore(spec.redis_url, spec.redis_password, spec.redis_namespace,
                            session_ttl_s=spec.session_ttl_s,
                            session_max_tokens=spec.session_max_tokens,

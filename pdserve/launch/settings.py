@@ -30,6 +30,7 @@ from pdserve.engine.spec.config import parse_speculative_config
 from pdserve.redis_keys import DEFAULT_NAMESPACE
 from pdserve.router.config import PREFILL_PLACEMENTS
 from pdserve.router.lora_adapters import parse_lora_modules
+from pdserve.router.reasoning import check_parser
 from pdserve.router.tools import TOOL_PARSERS
 from pdserve.tls import TLSFiles
 from pdserve.worker_grpc import worker_tls
@@ -144,6 +145,11 @@ class ServeSettings:
     tool_call_parser: str = _opt(
         "hermes", "how the model writes tool calls (tool_choice auto): hermes (Hermes, Qwen "
         "2.5 / 3) | llama3_json (Llama 3.1 / 3.2)")
+    reasoning_parser: str | None = _opt(
+        None, "split a chat reply's <think>...</think> reasoning from its answer "
+        "(reasoning_content apart from content, tool calls read from the answer): deepseek_r1 "
+        "(DeepSeek R1, QwQ: a reply that never opens <think> reasons up to </think>) | qwen3 "
+        "(reasoning only in a reply that opens <think>); unset: no split")
     max_stop_strings: int = _opt(16, "stop strings one request may give")
     max_stop_string_chars: int = _opt(256, "characters per stop string")
     max_stop_token_ids: int = _opt(64, "stop token ids one request may give")
@@ -241,6 +247,7 @@ class ServeSettings:
         if self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got "
                              f"{self.tool_call_parser!r}")
+        check_parser(self.reasoning_parser)
         if self.ttft_slo_s() is None and self.early_rejection:  # parses slo either way
             raise ValueError("early_rejection needs a TTFT bound to hold requests to: set slo, "
                              "e.g. ttft=2000 (milliseconds)")

@@ -151,7 +151,9 @@ class OpenAIApp:
         timeout = min(parsed.timeout_s or self.max_timeout_s, self.max_timeout_s)
         answer = Choices(parsed, parsed.model or self.router.model.name, self.texts,
                          self.router.model.tool_call_parser,
-                         [v.prompt_token_ids for v in valid[::parsed.n]])
+                         [v.prompt_token_ids for v in valid[::parsed.n]],
+                         self.router.model.reasoning_parser,
+                         [v.reasoning_mode for v in valid[::parsed.n]])
         return GenerationResponse(
             parsed, lambda: [self.router.generate(v, received) for v in valid], answer,
             timeout, self.router.metrics.count_request)

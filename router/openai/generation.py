@@ -145,8 +145,8 @@ class GenerationResponse:
         chunks = self.choices.first_chunks()
         while arrived:
             for index, message in arrived:
-                if self.request.tools is not None:
-                    chunks += self.choices.tool_chunks(index, message)
+                if self.choices.reads(index):
+                    chunks += self.choices.read_chunks(index, message)
                 elif (chunk := self.choices.add_json(index, message)) is not None:
                     chunks.append(chunk)
             await _events(send, chunks)

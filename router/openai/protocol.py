@@ -51,6 +51,7 @@ class OpenAIRequest:
     tools: ToolRequest | None = None  # chat: its replies are read for tool calls
     echo: bool = False  # completions: the prompt leads each choice's text (and logprobs)
     prompt_logprobs: int | None = None  # vLLM's: each choice carries its prompt's
+    include_reasoning: bool = True  # vLLM's: false drops reasoning_content from the answer
 
 
 def parse_chat(body: Any, session_header: str = "") -> OpenAIRequest:
@@ -63,11 +64,16 @@ def parse_chat(body: Any, session_header: str = "") -> OpenAIRequest:
     max_param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     sampling = _sampling(body, max_param, None, logprobs)
     base = pdserve_pb2.GenerateRequest(messages=proto_messages, sampling=sampling)
+    template_kwargs = _get(body, "chat_template_kwargs", dict)
+    if template_kwargs:  # checked by the router, which renders the template
+        base.chat_template_kwargs = json.dumps(template_kwargs)
     tools = parse_tools(body)
     if tools is not None:
         _add_tools(base, tools)
+    include_reasoning = _get(body, "include_reasoning", bool)
     return replace(_request(body, True, [base], logprobs, max_param, "messages",
-                            session_header), tools=tools)
+                            session_header), tools=tools,
+                   include_reasoning=include_reasoning is not False)
 
 
 def _add_tools(request: pdserve_pb2.GenerateRequest, tools: ToolRequest) -> None:

@@ -2,7 +2,9 @@
 
 `Choices` follows every choice of one OpenAI request as its messages arrive and builds both
 shapes from them, so a streamed answer and a whole one carry the same text, tokens, logprobs
-and usage (usage counts each prompt once, whatever `n`).
+and usage (usage counts each prompt once, whatever `n`). A whole chat answer's reasoning and
+tool calls are the router's reading of the reply (its last message); a stream reads them as it
+goes, with the same scanners (router.reasoning, router.tools).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 from pdserve.proto import pdserve_pb2
 from pdserve.router.openai.protocol import OpenAIRequest
+from pdserve.router.reasoning import ReasoningStream
 from pdserve.router.tools import NamedToolStream, ToolParser, reply_stream
 
 _MARK = "\x00"  # where a template's text goes (json.dumps writes it as \u0000, once)
@@ -38,6 +41,36 @@ class TokenTexts:
         return text
 
 
+class ReplyReader:
+    """One streamed chat reply's text deltas -> OpenAI `delta` dicts: its reasoning split off
+    first (`reasoning`: None when the request has no reasoning mode), the rest through the
+    tool-call reader (`tools`: None when the request has no tools), as content otherwise."""
+
+    def __init__(self, reasoning: ReasoningStream | None,
+                 tools: ToolParser | NamedToolStream | None, include_reasoning: bool) -> None:
+        self.reasoning, self.tools, self.include_reasoning = reasoning, tools, include_reasoning
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        return self._deltas(*(self.reasoning.feed(text) if self.reasoning else ("", text)))
+
+    def finish(self) -> list[dict[str, Any]]:
+        deltas = self._deltas(*(self.reasoning.finish() if self.reasoning else ("", "")))
+        return deltas + (self.tools.finish() if self.tools else [])
+
+    @property
+    def plain(self) -> bool:
+        """What follows is plain content: a stream may send it as any text delta."""
+        return self.tools is None and (self.reasoning is None or self.reasoning.answering)
+
+    def _deltas(self, reasoning: str, content: str) -> list[dict[str, Any]]:
+        delta = {"reasoning_content": reasoning} if reasoning and self.include_reasoning else {}
+        if content and self.tools is not None:
+            return ([delta] if delta else []) + self.tools.feed(content)
+        if content:
+            delta["content"] = content
+        return [delta] if delta else []
+
+
 @dataclass
 class _Choice:
     text: str = ""
@@ -47,8 +80,9 @@ class _Choice:
     usage: pdserve_pb2.Usage | None = None
     logprobs: list[dict[str, Any]] = field(default_factory=list)  # chat entries
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # the router read them
-    content: str | None = None  # the text outside the calls, when there are calls
-    reader: ToolParser | NamedToolStream | None = None  # a streamed chat with tools
+    content: str | None = None  # the answer: outside the calls, after the reasoning
+    reasoning: str | None = None  # the router split the reply (its reasoning, "": none)
+    reader: ReplyReader | None = None  # a streamed chat read for reasoning or tool calls
     started: bool = False  # its first message is in
     prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's, when asked
     echoed: tuple[int, ...] | None = None  # echo: prompt tokens whose logprobs lead the next
@@ -60,11 +94,18 @@ class _Choice:
 class Choices:
     def __init__(self, request: OpenAIRequest, model: str, texts: TokenTexts,
                  tool_call_parser: str = "hermes",
-                 prompt_token_ids: list[tuple[int, ...]] | None = None) -> None:
-        """`prompt_token_ids`: each prompt's, as validated (echo and prompt logprobs)."""
+                 prompt_token_ids: list[tuple[int, ...]] | None = None,
+                 reasoning_parser: str | None = None,
+                 reasoning_modes: list[str | None] | None = None) -> None:
+        """`prompt_token_ids`: each prompt's, as validated (echo and prompt logprobs);
+        `reasoning_parser`: the server's (chat answers then carry `reasoning_content`);
+        `reasoning_modes`: each prompt's, as validated (None: its reasoning is not split)."""
         self.request, self.model, self.texts = request, model, texts
         self.tool_call_parser = tool_call_parser
         self.prompt_token_ids = prompt_token_ids or []
+        self.reasoning_modes = reasoning_modes or [None] * len(request.requests)
+        self.show_reasoning = (request.chat and reasoning_parser is not None
+                               and request.include_reasoning)
         self.created = int(time.time())
         self.choices = [_Choice() for _ in range(len(request.requests) * request.n)]
         self._templates: dict[int, tuple[str, str]] = {}  # add_json's, per choice
@@ -79,20 +120,38 @@ class Choices:
             return None
         return self._chunk([self._chunk_choice(index, message, new_logprobs)])
 
-    def tool_chunks(self, index: int, message: pdserve_pb2.GenerateResponse
+    def reads(self, index: int) -> bool:
+        """Whether choice `index` streams through `read_chunks` (its reply is read for
+        reasoning or tool calls, and may still hold some) rather than as plain text."""
+        reader = self.choices[index].reader
+        if reader is not None:
+            return not reader.plain
+        return self.request.tools is not None or self._mode(index) is not None
+
+    def read_chunks(self, index: int, message: pdserve_pb2.GenerateResponse
                     ) -> list[dict[str, Any]]:
-        """A chat with tools: the message's text through the choice's tool-call reader, as
-        OpenAI streams calls (`delta.tool_calls`), the finish in a chunk of its own."""
+        """The message's text through the choice's reader: reasoning as
+        `delta.reasoning_content`, calls as OpenAI streams them (`delta.tool_calls`), the
+        rest as `delta.content`; its logprobs on the first chunk; the finish in a chunk of
+        its own."""
         choice = self.choices[index]
         self._open(index, message)
-        self._record(index, message)
+        logprobs = self._record(index, message)
         if choice.reader is None:
-            choice.reader = reply_stream(self.request.tools, self.tool_call_parser)
+            mode = self._mode(index)
+            tools = self.request.tools
+            choice.reader = ReplyReader(
+                ReasoningStream(mode) if mode is not None else None,
+                reply_stream(tools, self.tool_call_parser) if tools is not None else None,
+                self.show_reasoning)
         deltas = choice.reader.feed(message.text) if message.text else []
         if message.finish_reason:
             deltas += choice.reader.finish()
-        chunks = [self._chunk([{"index": index, "delta": delta, "logprobs": None,
-                                "finish_reason": None}]) for delta in deltas]
+        if logprobs is not None and message.token_ids and not deltas:
+            deltas = [{}]  # the text is held back, its tokens' logprobs are not
+        chunks = [self._chunk([{"index": index, "delta": delta,
+                                "logprobs": logprobs if i == 0 else None,
+                                "finish_reason": None}]) for i, delta in enumerate(deltas)]
         if message.finish_reason:
             chunks.append(self._chunk([self._chunk_choice(index, message, None)]))
             chunks[-1]["choices"][0]["delta"] = {}
@@ -158,6 +217,8 @@ class Choices:
             choice.tool_calls = [{"id": c.id, "type": "function", "function": {
                 "name": c.name, "arguments": c.arguments}} for c in message.tool_calls]
             choice.content = message.content or None
+            if message.HasField("reasoning_content"):
+                choice.reasoning = message.reasoning_content
             choice.finish_reason = message.finish_reason
             choice.stop_reason = self._stop_reason(index, message.stop_reason)
             choice.usage = message.usage
@@ -183,10 +244,7 @@ class Choices:
             entry: dict[str, Any] = {"index": i, "finish_reason": c.finish_reason,
                                      "stop_reason": c.stop_reason}
             if self.request.chat:
-                entry["message"] = {"role": "assistant", "content": c.text}
-                if c.tool_calls:
-                    entry["message"] = {"role": "assistant", "content": c.content,
-                                        "tool_calls": c.tool_calls}
+                entry["message"] = self._message(c)
                 entry["logprobs"] = ({"content": c.logprobs}
                                      if self.request.logprobs is not None else None)
             else:
@@ -212,6 +270,24 @@ class Choices:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     # ---- helpers ----
+
+    def _mode(self, index: int) -> str | None:
+        return self.reasoning_modes[index // self.request.n]
+
+    def _message(self, c: _Choice) -> dict[str, Any]:
+        """A whole chat choice's message: the router's reading of the reply when it split
+        off reasoning or read calls, else the reply's text."""
+        if c.reasoning or c.tool_calls:
+            content = c.content  # None when the reply is all reasoning, or all calls
+        else:  # the router's answer when it split the reply (the same text, tags aside)
+            content = c.text if c.reasoning is None else c.content or ""
+        message: dict[str, Any] = {"role": "assistant"}
+        if self.show_reasoning:
+            message["reasoning_content"] = c.reasoning or None
+        message["content"] = content
+        if c.tool_calls:
+            message["tool_calls"] = c.tool_calls
+        return message
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.request.chat else "text_completion"

@@ -35,14 +35,18 @@ def tiny_service(ray_cluster, tiny_llama_dir, tiny_lora_dirs, tmp_path_factory):
     """1 prefill + 1 decode worker, the router with its gRPC and OpenAI HTTP fronts, Redis;
     the tiny model's three LoRA adapters served over it (two per engine step); KV tiers (host
     and disk) under both workers' pools, so every module's checks that no block is left held
-    and that the tokens are the offline engine's also hold with the tiers' copies running."""
+    and that the tokens are the offline engine's also hold with the tiers' copies running.
+    Chat replies' reasoning is split off as Qwen3's (`--reasoning-parser qwen3`): only a reply
+    that opens `<think>` has any, which the tiny model never writes unless a grammar makes it
+    (tests/e2e/test_structured_outputs.py), so every other chat answer is its plain text."""
     modules = " ".join(f"{name}={path}" for name, path in sorted(tiny_lora_dirs.items()))
     settings = tiny_settings(tiny_llama_dir, ray_cluster.address, http_port=free_port(),
                              max_inflight_requests=MAX_INFLIGHT, max_queued_requests=MAX_QUEUED,
                              redis_namespace=SHARED_NAMESPACE, enable_lora=True,
                              lora_modules=modules, max_loras=2, kv_host_bytes=64 * 8192,
                              kv_disk_path=str(tmp_path_factory.mktemp("kv-disk")),
-                             kv_disk_bytes=4 << 20)  # 64 blocks in host, ~480 on disk
+                             kv_disk_bytes=4 << 20,  # 64 blocks in host, ~480 on disk
+                             reasoning_parser="qwen3")
     with running(settings) as service:
         yield service
 

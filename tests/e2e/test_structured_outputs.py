@@ -252,3 +252,40 @@ def test_bad_tools_are_a_400_naming_the_field(service, model, body, param):
         "model": model, "messages": [{"role": "user", "content": "x"}], **body})
     assert got.status_code == 400, got.text
     assert got.json()["error"]["param"] == param, got.json()
+
+
+THOUGHT, ANSWER = "Paris is in France.", "Sunny."
+
+
+def test_reasoning_is_split_from_the_answer_whole_streamed_and_over_grpc(service, client, model):
+    """The shared service splits reasoning as Qwen3's (--reasoning-parser qwen3); the model is
+    made to open with a <think> block (a choice grammar): the block is reasoning_content, the
+    rest the answer, tool calls are read from the answer, and enable_thinking false (the chat
+    template's switch) leaves the reply whole."""
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    reply = f"<think>{THOUGHT}</think>{ANSWER}"
+    kwargs = {"model": model, "max_tokens": 120, "temperature": 0, "messages": messages,
+              "extra_body": {"structured_outputs": {"choice": [reply]}}}
+    whole = client.chat.completions.create(**kwargs)
+    message = whole.choices[0].message
+    assert (message.reasoning_content, message.content) == (THOUGHT, ANSWER)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={
+        "include_usage": True}, **kwargs))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == THOUGHT
+    assert "".join(d.content or "" for d in deltas) == ANSWER
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens  # all tokens
+    off = client.chat.completions.create(**{**kwargs, "extra_body": {
+        **kwargs["extra_body"], "chat_template_kwargs": {"enable_thinking": False}}})
+    assert (off.choices[0].message.reasoning_content, off.choices[0].message.content) == (
+        None, reply)
+    tool_reply = f"<think>{THOUGHT}</think>{HERMES_CALL}"
+    called = client.chat.completions.create(**{**kwargs, "tools": [WEATHER], "extra_body": {
+        "structured_outputs": {"choice": [tool_reply]}}}).choices[0]
+    assert called.finish_reason == "tool_calls" and called.message.reasoning_content == THOUGHT
+    assert [c.function.name for c in called.message.tool_calls] == ["get_weather"]
+    with Client(service.address, timeout=60) as grpc_client:  # the gRPC API's last message
+        got = grpc_client.complete(messages=messages, sampling=SamplingParams(
+            max_tokens=120, temperature=0,
+            structured_outputs=StructuredOutputsParams(choice=[reply])))
+    assert (got.text, got.reasoning_content, got.content) == (reply, THOUGHT, ANSWER)

@@ -17,6 +17,7 @@ FIELD_NAMES = [f.name for f in FIELDS]
 NON_BOOL = [f.name for f in FIELDS if not isinstance(f.default, bool)]
 # fields with a fixed set of values: too few for the three-layer precedence test
 CHOICES = {"mode": ("disaggregated", "colocated"), "tool_call_parser": ("hermes", "llama3_json"),
+           "reasoning_parser": ("deepseek_r1", "qwen3"),
            "scheduling_policy": ("srpt", "fcfs"), "prefill_placement": ("adaptive", "fixed")}
 # text fields whose values have a form: valid samples
 SAMPLES = {"speculative_config": [f'{{"method": "ngram", "num_speculative_tokens": {n}}}'
@@ -299,6 +300,7 @@ def test_wrong_type_in_yaml_names_file_and_key(parser, tmp_path, key: str, value
         ("prefill_step_ms", -1.0),
         ("scheduling_policy", "lifo"),
         ("prefill_placement", "always"),
+        ("reasoning_parser", "deepseek-r1"),
         ("cuda_graph_sizes", "1,x"),
         ("kv_host_bytes", -1),
         ("kv_disk_bytes", 1 << 30),  # no kv_disk_path
