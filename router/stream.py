@@ -20,7 +20,7 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.proto import pdserve_pb2, worker_pb2
 from pdserve.router.flight import Flight, Placement
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.reasoning import split
+from pdserve.router.reasoning import keeps_special_tokens, split
 from pdserve.router.tools import finish_reason, read_reply
 from pdserve.router.validation import ValidRequest
 from pdserve.router.workers import Lost, WorkerLost
@@ -35,8 +35,11 @@ class ResponseStream:
                  received: float, queued_s: float, metrics: RouterMetrics) -> None:
         self.req, self.placement, self.metrics = req, placement, metrics
         self.received, self.queued_s = received, queued_s
+        # a harmony reply's markers are special tokens: kept for the split, which drops them
+        skip_special = (req.params.skip_special_tokens
+                        and not keeps_special_tokens(req.reasoning_mode))
         self.detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids, req.params.stop,
-                                            req.params.skip_special_tokens)
+                                            skip_special)
         self.token_ids: list[int] = []
         self.text = ""  # read at the end for reasoning and tool calls, when the request has them
         self.first_at: float | None = None

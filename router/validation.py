@@ -214,8 +214,11 @@ def validate(request: pdserve_pb2.GenerateRequest, model: ModelContext,
         params = prepare_params(params, model.tokenizer, model.vocab_size)
     except ValueError as exc:
         raise InvalidArgument(f"sampling.{exc}") from None
-    reasoning = first_mode(model.reasoning_parser, enable_thinking(template_kwargs),
-                           params.structured_outputs is not None) if request.messages else None
+    try:
+        reasoning = first_mode(model.reasoning_parser, enable_thinking(template_kwargs),
+                               params.structured_outputs is not None) if request.messages else None
+    except ValueError as exc:  # thinking turned off where it cannot be
+        raise InvalidArgument(str(exc)) from None
     return ValidRequest(request_id, tuple(prompt_ids), params, session_id,
                         tools=tools if tools is not None and tools.choice != "none" else None,
                         tool_call_parser=model.tool_call_parser, lora=lora,

@@ -149,7 +149,8 @@ class ServeSettings:
         None, "split a chat reply's <think>...</think> reasoning from its answer "
         "(reasoning_content apart from content, tool calls read from the answer): deepseek_r1 "
         "(DeepSeek R1, QwQ: a reply that never opens <think> reasons up to </think>) | qwen3 "
-        "(reasoning only in a reply that opens <think>); unset: no split")
+        "(reasoning only in a reply that opens <think>) | openai_gptoss (gpt-oss's harmony "
+        "channels: analysis is the reasoning, final the answer); unset: no split")
     max_stop_strings: int = _opt(16, "stop strings one request may give")
     max_stop_string_chars: int = _opt(256, "characters per stop string")
     max_stop_token_ids: int = _opt(64, "stop token ids one request may give")

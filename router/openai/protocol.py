@@ -30,6 +30,7 @@ INT32_MAX = 2**31 - 1
 # Parameters pdserve does not implement: refused when they would change the answer, rather
 # than silently ignored. Value: what "not set" looks like.
 UNSUPPORTED = {"suffix": None, "functions": None, "function_call": None, "best_of": None}
+REASONING_EFFORTS = ("low", "medium", "high")  # vLLM's; gpt-oss's template reads them
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ def parse_chat(body: Any, session_header: str = "") -> OpenAIRequest:
     max_param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     sampling = _sampling(body, max_param, None, logprobs)
     base = pdserve_pb2.GenerateRequest(messages=proto_messages, sampling=sampling)
-    template_kwargs = _get(body, "chat_template_kwargs", dict)
+    template_kwargs = _template_kwargs(body)
     if template_kwargs:  # checked by the router, which renders the template
         base.chat_template_kwargs = json.dumps(template_kwargs)
     tools = parse_tools(body)
@@ -74,6 +75,22 @@ def parse_chat(body: Any, session_header: str = "") -> OpenAIRequest:
     return replace(_request(body, True, [base], logprobs, max_param, "messages",
                             session_header), tools=tools,
                    include_reasoning=include_reasoning is not False)
+
+
+def _template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
+    """chat_template_kwargs, with vLLM's top-level `reasoning_effort` among them (gpt-oss's
+    template reads it)."""
+    kwargs = dict(_get(body, "chat_template_kwargs", dict) or {})
+    effort = _get(body, "reasoning_effort", str)
+    if effort is None:
+        return kwargs
+    if effort not in REASONING_EFFORTS:
+        raise BadParameter("reasoning_effort", f"reasoning_effort must be one of "
+                           f"{', '.join(REASONING_EFFORTS)}, got {effort!r}")
+    if kwargs.setdefault("reasoning_effort", effort) != effort:
+        raise BadParameter("reasoning_effort", "reasoning_effort: chat_template_kwargs."
+                           "reasoning_effort says otherwise: give one")
+    return kwargs
 
 
 def _add_tools(request: pdserve_pb2.GenerateRequest, tools: ToolRequest) -> None:
