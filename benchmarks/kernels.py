@@ -8,7 +8,8 @@ given as a share of a measured device-to-device copy (the target: paged decode a
 CPU the backend that serves there (`cpu`: the C kernels where they build, else `torch`) is
 timed (best of `--repeat`), and the SmolLM2-135M decode step's
 attention (9 heads, 3 KV heads, head_dim 64, 30 layers, fp32) at batch 32 x 1k context is
-compared with dense SDPA over the same K/V stored contiguously (the target: within 1.3x).
+compared with dense SDPA over the same K/V stored contiguously (the target: within 1.3x), and
+MLA's ops at DeepSeek-V3's per-rank shapes are timed (the C absorbed decode beside its reference).
 Timings on a shared machine are noisy: the best of several runs is the figure that means
 something.
 """
@@ -158,6 +159,54 @@ def decode_step_cpu(args, gen) -> list[Row]:
     return rows
 
 
+def latent_rows_cpu(args, gen) -> list[Row]:
+    """MLA (DeepSeek-V3, one rank of TP 8: 16 heads, latent 512 + RoPE 64, qk 192, v 128) in
+    bf16: the absorbed decode at 32 sequences x 1k context, the C kernel against the reference;
+    the ops the CPU room leaves on the references (store, gather, dense prefill) beside what
+    bounds them (a contiguous copy of the same bytes)."""
+    num_seqs, ctx, heads, rank, rope, block_size = 32, 1024, 16, 512, 64, 16
+    entry_dim, dtype, cpu = rank + rope, torch.bfloat16, torch.device("cpu")
+    ops, ref = get_backend(cpu), KernelBackend()
+    num_blocks = num_seqs * ctx // block_size
+    cache = torch.randn(num_blocks, block_size, entry_dim, generator=gen).to(dtype)
+    tables = torch.randperm(num_blocks, generator=gen).view(num_seqs, -1).int()
+    lens = torch.full((num_seqs,), ctx, dtype=torch.int32)
+    q = torch.randn(num_seqs, heads, entry_dim, generator=gen).to(dtype)
+    flops = 2 * num_seqs * ctx * heads * (entry_dim + rank)  # scores, then values
+    shape = f"{num_seqs} x {ctx} ctx H{heads} {rank}+{rope} bf16"
+    rows = []
+    for name, backend in (("torch", ref), (ops.name, ops)):
+        t = time_cpu(lambda b=backend: b.paged_latent_decode_attention(
+            q, cache, tables, lens, 0.07, ctx, rank), args.repeat)
+        rows.append(Row(f"MLA decode ({name})", shape, cache.nbytes, flops, t))
+    rows[-1].note = f"{rows[0].seconds / rows[-1].seconds:.1f}x the reference"
+    entry = torch.randn(num_seqs, entry_dim, generator=gen).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_seqs]
+    t = time_cpu(lambda: ops.store_latent(entry, cache, slots), args.repeat)
+    rows.append(Row(f"MLA store ({ops.name})", f"{num_seqs} tok", 2 * entry.nbytes, 0, t))
+    flat = cache.view(-1, entry_dim)
+    t_copy = time_cpu(lambda: flat.clone(), args.repeat)
+    t = time_cpu(lambda: ops.gather_latent(cache, tables, lens), args.repeat)
+    rows.append(Row(f"MLA gather ({ops.name})", f"{num_seqs} x {ctx} ctx", 2 * cache.nbytes,
+                    0, t, f"{t / t_copy:.2f}x a contiguous copy"))
+    rows.append(latent_prefill_row(ops, heads, 4, 512, gen, args.repeat))
+    return rows
+
+
+def latent_prefill_row(ops, heads, num_seqs, n, gen, repeat) -> Row:
+    """MLA's dense prefill attention: `num_seqs` prompts of `n` tokens, qk 192, v 128, bf16."""
+    qk, v_dim = 192, 128
+    q = torch.randn(num_seqs * n, heads, qk, generator=gen).to(torch.bfloat16)
+    k = torch.randn(num_seqs * n, heads, qk, generator=gen).to(torch.bfloat16)
+    v = torch.randn(num_seqs * n, heads, v_dim, generator=gen).to(torch.bfloat16)
+    qsl = torch.arange(0, num_seqs * n + 1, n, dtype=torch.int32)
+    lens = torch.full((num_seqs,), n, dtype=torch.int32)
+    t = time_cpu(lambda: ops.prefill_attention(q, k, v, qsl, lens, qk**-0.5), repeat)
+    flops = 2 * num_seqs * heads * (qk + v_dim) * n * (n + 1) / 2
+    return Row(f"MLA prefill attn ({ops.name})", f"{num_seqs} x {n} tok H{heads} 192/128",
+               q.nbytes + k.nbytes + v.nbytes, flops, t)
+
+
 @dataclass(frozen=True)
 class Dims:
     """A model's attention shape and the batch the per-kernel rows run at."""
@@ -276,6 +325,7 @@ def main() -> None:
     flop_roof = gemm_flops(cpu, SMOLLM2_135M.dtype, 1024, time_cpu, args.repeat)
     rows = decode_step_cpu(args, gen)
     rows += other_rows(get_backend(cpu), cpu, SMOLLM2_135M, time_cpu, args.repeat, gen)
+    rows += latent_rows_cpu(args, gen)
     print_table(rows, roof, flop_roof, "CPU memory")
 
 

@@ -1,6 +1,7 @@
 """KV transfer bandwidth: kvtransfer's layer-by-layer push vs raw gloo, between two processes.
 
     python benchmarks/kv_transfer.py [--tokens 2048] [--repeat 7] [--threads 1]
+    python benchmarks/kv_transfer.py --layouts mla gqa    # DeepSeek-V3's latent vs GQA-8
 
 The KV of one SmolLM2-135M prompt (30 layers, 3 KV heads, head_dim 64, fp32, block size 16;
 2048 tokens = 128 blocks = 3 MiB per layer, 94.4 MB in all) is moved from a "prefill" process
@@ -21,6 +22,12 @@ the target is kvtransfer >= 70% of raw. Each process runs `--threads` torch thre
 its own I/O threads); on a 2-core host the scattered case's extra copy competes with gloo's
 two I/O threads for the cores, so it is the case to watch there. `prefill_overlap` is the
 hook for the prefill+transfer vs prefill-alone figure once the prefill worker exists.
+
+`--layouts` moves other models' KV the same way, one after the other, and prints bytes and
+time per prompt token for each: `mla` is DeepSeek-V3's latent cache (61 layers, one entry of
+512 + 64 values per token, bf16, the same on every TP rank: `kvtransfer.layout`'s "latent"
+kind, sent from and landed in the one-tensor cache through `transfer_view`); `gqa` is the same
+model with a GQA cache of 8 KV heads of 128 (Llama 3 70B's shape). `--overlap` is SmolLM2's.
 """
 
 from __future__ import annotations
@@ -48,12 +55,32 @@ from pdserve.kvtransfer import (
     KVSender,
     TransferDescriptor,
 )
+from pdserve.kvtransfer.layout import transfer_view
 
 SMOLLM2 = KVLayout("SmolLM2-135M-Instruct", "float32", block_size=16, num_layers=30,
                    num_kv_heads=3, head_dim=64)
+LAYOUTS = {
+    "smollm2": SMOLLM2,
+    "mla": KVLayout("DeepSeek-V3", "bfloat16", 16, 61, 1, (512 + 64) // 2, "latent"),
+    "gqa": KVLayout("DeepSeek-V3-as-GQA-8", "bfloat16", 16, 61, 8, 128),
+}
 SOURCE = Endpoint(defaults.HOST, 1, 0)
 WORKER_SOURCE = Endpoint(defaults.HOST, 2, 0)  # the PrefillWorker's own channel identity
 RAW_TAG = 7
+
+
+def make_caches(layout: KVLayout, num_blocks: int, fill) -> list[tuple[torch.Tensor, ...]]:
+    """The model runner's caches of `layout` (a latent cache: one tensor per layer), as a
+    transfer sees them (`transfer_view`); `fill(shape)` makes each tensor."""
+    block = (num_blocks, layout.block_size)
+    if layout.kind == "latent":
+        caches = [(fill((*block, 2 * layout.head_dim)).to(layout.torch_dtype),)
+                  for _ in range(layout.num_layers)]
+    else:
+        shape = (*block, layout.num_kv_heads, layout.head_dim)
+        caches = [(fill(shape).to(layout.torch_dtype), fill(shape).to(layout.torch_dtype))
+                  for _ in range(layout.num_layers)]
+    return transfer_view(layout, caches)
 
 
 def raw_group(port: int, rank: int) -> dist.ProcessGroupGloo:
@@ -106,25 +133,24 @@ def prefill_and_push(worker, prompt: list[int], desc: TransferDescriptor) -> flo
 
 # ---- the prefill process ----
 
-def sender_main(port: int, num_blocks: int, threads: int, overlap: bool) -> None:
+def sender_main(layout: KVLayout, port: int, num_blocks: int, threads: int, overlap: bool
+                ) -> None:
     torch.set_num_threads(threads)
     if overlap:
-        worker, core = prefill_engines(num_blocks * SMOLLM2.block_size, threads)
-        prompt = torch.randint(3, 49152, (num_blocks * SMOLLM2.block_size,)).tolist()
+        worker, core = prefill_engines(num_blocks * layout.block_size, threads)
+        prompt = torch.randint(3, 49152, (num_blocks * layout.block_size,)).tolist()
     g = torch.Generator().manual_seed(0)
-    shape = (num_blocks, SMOLLM2.block_size, SMOLLM2.num_kv_heads, SMOLLM2.head_dim)
-    caches = [(torch.rand(shape, generator=g), torch.rand(shape, generator=g))
-              for _ in range(SMOLLM2.num_layers)]
-    sender = KVSender(SMOLLM2, GlooConnector(SOURCE, secret=ClusterSecret.from_env()), 1, caches)
+    caches = make_caches(layout, num_blocks, lambda shape: torch.rand(shape, generator=g))
+    sender = KVSender(layout, GlooConnector(SOURCE, secret=ClusterSecret.from_env()), 1, caches)
     raw = raw_group(port, 0)
-    raw_buf = torch.ones(SMOLLM2.num_layers * num_blocks * SMOLLM2.block_nbytes(3),
+    raw_buf = torch.ones(layout.num_layers * num_blocks * layout.block_nbytes(layout.num_kv_heads),
                          dtype=torch.uint8)
     for line in sys.stdin:
         cmd, _, arg = line.strip().partition(" ")
         if cmd == "kv":
             desc = TransferDescriptor.decode(arg)
             plans = sender.plan([(desc, list(range(desc.num_blocks)))])
-            handles = [sender.push_layer(layer, p) for layer in range(SMOLLM2.num_layers)
+            handles = [sender.push_layer(layer, p) for layer in range(layout.num_layers)
                        for p in plans]
             for h in handles:
                 h.wait()
@@ -150,21 +176,21 @@ def sender_main(port: int, num_blocks: int, threads: int, overlap: bool) -> None
 # ---- the decode process (this one) ----
 
 class Bench:
-    def __init__(self, num_blocks: int, threads: int, overlap: bool) -> None:
-        self.num_blocks = num_blocks
+    def __init__(self, name: str, num_blocks: int, threads: int, overlap: bool) -> None:
+        self.layout, self.num_blocks = LAYOUTS[name], num_blocks
         secret = ClusterSecret.generate()  # the sender process gets it in its environment
         self.listener = GlooListener(defaults.HOST, secret=secret)
-        shape = (2 * num_blocks, SMOLLM2.block_size, SMOLLM2.num_kv_heads, SMOLLM2.head_dim)
-        self.caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(SMOLLM2.num_layers)]
-        self.rx = KVReceiver(SMOLLM2, self.listener, 1, self.caches)
+        self.caches = make_caches(self.layout, 2 * num_blocks, torch.zeros)
+        self.rx = KVReceiver(self.layout, self.listener, 1, self.caches)
         self.peer = subprocess.Popen(
-            [sys.executable, __file__, "--role", "sender", "--port",
+            [sys.executable, __file__, "--role", "sender", "--layouts", name, "--port",
              str(self.listener.endpoint.port), "--blocks", str(num_blocks), "--threads",
              str(threads), *(["--overlap"] if overlap else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             env=dict(os.environ, **secret.to_env()))
         self.raw = raw_group(self.listener.endpoint.port, 1)
-        self.raw_buf = torch.empty(SMOLLM2.num_layers * num_blocks * SMOLLM2.block_nbytes(3),
+        self.raw_buf = torch.empty(self.layout.num_layers * num_blocks
+                                   * self.layout.block_nbytes(self.layout.num_kv_heads),
                                    dtype=torch.uint8)
 
     def command(self, line: str) -> None:
@@ -185,8 +211,8 @@ class Bench:
         else:
             first = int(torch.randint(0, self.num_blocks + 1, ()))
             blocks = list(range(first, first + self.num_blocks))
-        desc = TransferDescriptor.new("bench", SMOLLM2, [SOURCE], [(self.listener.endpoint,
-                                                                     blocks)], time.time() + 60)
+        desc = TransferDescriptor.new("bench", self.layout, [SOURCE],
+                                      [(self.listener.endpoint, blocks)], time.time() + 60)
         self.rx.expect(desc)
         start = time.perf_counter()
         self.command(f"kv {desc.encode().decode()}")
@@ -218,7 +244,7 @@ class Bench:
     def push_once(self) -> float:
         """A real PrefillWorker step: the prompt's KV pushed layer by layer as it computes."""
         blocks = list(range(self.num_blocks))
-        desc = TransferDescriptor.new("overlap", SMOLLM2, [WORKER_SOURCE],
+        desc = TransferDescriptor.new("overlap", self.layout, [WORKER_SOURCE],
                                       [(self.listener.endpoint, blocks)], time.time() + 600)
         self.rx.expect(desc)
         self.command(f"push {desc.encode().decode()}")
@@ -232,11 +258,61 @@ class Bench:
         self.rx.close()
 
 
+def run(name: str, args: argparse.Namespace) -> dict:
+    """One layout's runs (see the module doc); prints them and returns the numbers."""
+    layout = LAYOUTS[name]
+    num_blocks = -(-args.tokens // layout.block_size)
+    nbytes = layout.num_layers * num_blocks * layout.block_nbytes(layout.num_kv_heads)
+    bench = Bench(name, num_blocks, args.threads, args.overlap)
+    overlap: dict[str, list[float]] = {"prefill alone": [], "prefill + push": []}
+    try:
+        runs = {"kv contiguous": [], "kv scattered": [], "raw gloo": []}
+        for i in range(args.repeat + 1):  # run 0 warms up (channel setup, first-touch pages)
+            times = (bench.kv_once(False), bench.kv_once(True), bench.raw_once())
+            for key, t in zip(runs, times):
+                if i:
+                    runs[key].append(t)
+        for i in range(args.overlap_repeat + 1 if args.overlap else 0):  # interleaved
+            times = (bench.alone_once(), bench.push_once())
+            for key, t in zip(overlap, times):
+                if i:
+                    overlap[key].append(t)
+    finally:
+        bench.close()
+    print(f"{layout.model} KV of a {args.tokens}-token prompt ({layout.kind}): "
+          f"{layout.num_layers} layers x {num_blocks} blocks, "
+          f"{layout.block_nbytes(layout.num_kv_heads) * num_blocks / 2**20:.1f} MiB/layer, "
+          f"{nbytes / 1e6:.1f} MB; 2 processes on 127.0.0.1, {args.threads} torch thread(s) each")
+    best = {key: min(times) for key, times in runs.items()}
+    for key, times in runs.items():
+        print(f"  {key:<13} best {best[key] * 1e3:7.2f} ms  {nbytes / best[key] / 1e9:5.2f} GB/s"
+              f"   median {statistics.median(times) * 1e3:7.2f} ms  "
+              f"{nbytes / statistics.median(times) / 1e9:5.2f} GB/s")
+    median = {key: statistics.median(times) for key, times in runs.items()}
+    ratios = {}
+    for key in ("kv contiguous", "kv scattered"):
+        ratios[key] = {"best": best["raw gloo"] / best[key],
+                       "median": median["raw gloo"] / median[key]}
+        print(f"  {key} / raw gloo: best {ratios[key]['best']:.0%}, median "
+              f"{ratios[key]['median']:.0%} (target >= 70%)")
+    result = {"layout": name, "bytes": nbytes, "bytes_per_token": nbytes / args.tokens,
+              "best_s": best, "median_s": median, "ratio": ratios}
+    if args.overlap:
+        alone, pushed = (statistics.median(overlap[k]) for k in overlap)
+        print(f"  SmolLM2 prefill of {args.tokens} tokens: alone {alone:.3f} s, with layer-wise "
+              f"push {pushed:.3f} s (medians of {args.overlap_repeat}): "
+              f"{pushed / alone:.3f}x (target <= 1.15x)")
+        result["overlap"] = {"alone_s": alone, "with_push_s": pushed, "ratio": pushed / alone}
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--layouts", nargs="+", default=["smollm2"], choices=tuple(LAYOUTS),
+                        help="whose KV to move, one after the other (see the module doc)")
     parser.add_argument("--role", default="decode", choices=("decode", "sender"))
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--blocks", type=int, default=0)
@@ -244,51 +320,23 @@ def main() -> None:
                         help="also time a real SmolLM2 prefill alone vs with its KV pushed")
     parser.add_argument("--overlap-repeat", type=int, default=3)
     args = parser.parse_args()
+    if args.overlap and args.layouts != ["smollm2"]:
+        parser.error("--overlap runs a SmolLM2 prefill: use it with --layouts smollm2")
     if args.role == "sender":
-        sender_main(args.port, args.blocks, args.threads, args.overlap)
+        sender_main(LAYOUTS[args.layouts[0]], args.port, args.blocks, args.threads, args.overlap)
         return
     torch.set_num_threads(args.threads)
-    num_blocks = -(-args.tokens // SMOLLM2.block_size)
-    nbytes = SMOLLM2.num_layers * num_blocks * SMOLLM2.block_nbytes(SMOLLM2.num_kv_heads)
-    bench = Bench(num_blocks, args.threads, args.overlap)
-    overlap: dict[str, list[float]] = {"prefill alone": [], "prefill + push": []}
-    try:
-        runs = {"kv contiguous": [], "kv scattered": [], "raw gloo": []}
-        for i in range(args.repeat + 1):  # run 0 warms up (channel setup, first-touch pages)
-            times = (bench.kv_once(False), bench.kv_once(True), bench.raw_once())
-            for name, t in zip(runs, times):
-                if i:
-                    runs[name].append(t)
-        for i in range(args.overlap_repeat + 1 if args.overlap else 0):  # interleaved
-            times = (bench.alone_once(), bench.push_once())
-            for name, t in zip(overlap, times):
-                if i:
-                    overlap[name].append(t)
-    finally:
-        bench.close()
-    print(f"SmolLM2-135M KV of a {args.tokens}-token prompt: {SMOLLM2.num_layers} layers x "
-          f"{num_blocks} blocks, {SMOLLM2.block_nbytes(3) * num_blocks / 2**20:.1f} MiB/layer, "
-          f"{nbytes / 1e6:.1f} MB; 2 processes on 127.0.0.1, {args.threads} torch thread(s) each")
-    best = {name: min(times) for name, times in runs.items()}
-    for name, times in runs.items():
-        print(f"  {name:<13} best {best[name] * 1e3:7.2f} ms  {nbytes / best[name] / 1e9:5.2f} GB/s"
-              f"   median {statistics.median(times) * 1e3:7.2f} ms  "
-              f"{nbytes / statistics.median(times) / 1e9:5.2f} GB/s")
-    median = {name: statistics.median(times) for name, times in runs.items()}
-    ratios = {}
-    for name in ("kv contiguous", "kv scattered"):
-        ratios[name] = {"best": best["raw gloo"] / best[name],
-                        "median": median["raw gloo"] / median[name]}
-        print(f"  {name} / raw gloo: best {ratios[name]['best']:.0%}, median "
-              f"{ratios[name]['median']:.0%} (target >= 70%)")
-    result = {"bytes": nbytes, "best_s": best, "median_s": median, "ratio": ratios}
-    if args.overlap:
-        alone, pushed = (statistics.median(overlap[k]) for k in overlap)
-        print(f"  SmolLM2 prefill of {args.tokens} tokens: alone {alone:.3f} s, with layer-wise "
-              f"push {pushed:.3f} s (medians of {args.overlap_repeat}): "
-              f"{pushed / alone:.3f}x (target <= 1.15x)")
-        result["overlap"] = {"alone_s": alone, "with_push_s": pushed, "ratio": pushed / alone}
-    print(json.dumps(result))
+    results = [run(name, args) for name in args.layouts]
+    if len(results) > 1:
+        print(f"per prompt token ({args.tokens}-token prompt, kv contiguous, median):")
+        first = results[0]
+        for r in results:
+            seconds = r["median_s"]["kv contiguous"]
+            print(f"  {r['layout']:<8} {r['bytes_per_token'] / 1024:8.1f} KiB  "
+                  f"{seconds / args.tokens * 1e6:8.2f} us  ({r['bytes'] / first['bytes']:.2f}x "
+                  f"the bytes, {seconds / first['median_s']['kv contiguous']:.2f}x the time of "
+                  f"{first['layout']})")
+    print(json.dumps(results if len(results) > 1 else results[0]))
 
 
 if __name__ == "__main__":

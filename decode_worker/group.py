@@ -13,7 +13,7 @@ from pdserve.engine.models.parallel import TensorParallel
 from pdserve.engine.spec.make import sized
 from pdserve.kvtransfer.connector import Connector, Listener
 from pdserve.kvtransfer.descriptor import Endpoint
-from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.layout import KVLayout, transfer_view
 from pdserve.kvtransfer.receiver import KVReceiver
 
 
@@ -37,6 +37,6 @@ def start_decode_rank(
     config = sized(config)  # the block count rank 0 has (a draft model's KV shares blocks)
     runner = ModelRunner(replace(config, speculative=None), tp)
     layout = KVLayout.from_model_config(config.model, config.cache.block_size, model_name)
-    receiver = KVReceiver(layout, listener, tp.size, [kv[:2] for kv in runner.kv_caches])
+    receiver = KVReceiver(layout, listener, tp.size, transfer_view(layout, runner.kv_caches))
     run_follower(runner, tp, receiver)
     return None

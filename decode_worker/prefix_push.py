@@ -27,7 +27,7 @@ import torch
 from pdserve.kvtransfer.connector import Connector
 from pdserve.kvtransfer.descriptor import TransferDescriptor
 from pdserve.kvtransfer.errors import ErrorCode, TransferError
-from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.layout import KVLayout, transfer_view
 from pdserve.kvtransfer.sender import KVSender, PushHandle
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class PrefixPusher:
                  kv_caches: Sequence[tuple[torch.Tensor, ...]]) -> None:
         self.layout = layout
         self.source = transport.source
-        self.sender = KVSender(layout, transport, 1, [kv[:2] for kv in kv_caches])
+        self.sender = KVSender(layout, transport, 1, transfer_view(layout, kv_caches))
         self._lock = threading.Lock()
 
     def push(self, descriptor: TransferDescriptor, block_ids: Sequence[int]) -> float:

@@ -87,9 +87,18 @@ class ModelConfig:
         window = self.layer_windows[layer] if self.layer_windows else None
         return window if window is not None and window < self.max_model_len else None
 
+    @property
+    def latent_dim(self) -> int:
+        """A latent (MLA) cache's entry per token and layer, kv_lora_rank + qk_rope_head_dim
+        (`kernels.reference.latent_attention`); 0 for per-head K/V caches."""
+        rank = getattr(self.hf_config, "kv_lora_rank", None)
+        return rank + self.hf_config.qk_rope_head_dim if rank else 0
+
     def kv_bytes_per_token(self, cache_dtype: str = "auto") -> int:
-        """K and V of every layer for one token; int8 adds one fp16 scale per token and head
-        (the format of kernels.kv_quant)."""
+        """K and V of every layer for one token (a latent cache: its one entry); int8 adds one
+        fp16 scale per token and head (the format of kernels.kv_quant)."""
+        if self.latent_dim:
+            return self.num_layers * self.latent_dim * _DTYPE_BYTES[self.dtype]
         if cache_dtype == "int8":
             per_head = self.head_dim + 2
         else:
@@ -373,6 +382,9 @@ class EngineConfig:
                 f"num_threads must be in [1, {os.cpu_count()}], got {self.num_threads}"
             )
         self._check_cuda_graphs()
+        if self.cache.cache_dtype == "int8" and self.model.latent_dim:
+            raise ValueError("kv_cache_dtype: int8 quantizes per-head K/V caches; this model's "
+                             "cache is a latent (MLA): use auto")
         if self.cache.tiered and self.speculative is not None and self.speculative.model:
             raise ValueError("kv_host_bytes: the KV tiers keep the target model's KV only, "
                              "not a draft model's; use speculative method ngram or no tiers")

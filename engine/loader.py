@@ -31,7 +31,7 @@ _EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
 _RULES = [
     (re.compile(r"model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)"),
      lambda m: (f"layers.{m[1]}.self_attn.qkv_proj", m[2], m[3])),
-    (re.compile(r"model\.layers\.(\d+)\.self_attn\.o_proj\.(weight)"),
+    (re.compile(r"model\.layers\.(\d+)\.self_attn\.o_proj\.(weight|bias)"),
      lambda m: (f"layers.{m[1]}.self_attn.o_proj", "", m[2])),
     (re.compile(r"model\.layers\.(\d+)\.mlp\.(gate|up)_proj\.(weight)"),
      lambda m: (f"layers.{m[1]}.mlp.gate_up_proj", m[2], m[3])),
@@ -138,10 +138,14 @@ def load_tensors(model: torch.nn.Module, named: Iterable[tuple[str, Weight]],
     expected = {name for name, _ in model.named_parameters()}
     loaded: set[str] = set()
     tied = model.lm_head is model.embed_tokens
+    rules = [*getattr(model, "weight_rules", ()), *_RULES]
     for name, tensor in named:
         if _IGNORED.match(name) or (tied and name == "lm_head.weight"):
             continue
-        module_path, shard, param = _target(name)
+        target = _target(name, rules)
+        if target is None:
+            continue
+        module_path, shard, param = target
         model.get_submodule(module_path).load(param, tensor, shard)
         loaded.add(f"{module_path}.{param}")
     missing = expected - loaded
@@ -150,8 +154,10 @@ def load_tensors(model: torch.nn.Module, named: Iterable[tuple[str, Weight]],
     logger.info("loaded %d tensors from %s", len(loaded), source)
 
 
-def _target(name: str) -> tuple[str, str, str]:
-    for pattern, target in _RULES:
+def _target(name: str, rules: list) -> tuple[str, str, str] | None:
+    """(module path, shard, parameter) of a checkpoint tensor; None: not one the model uses.
+    A model class's own `weight_rules` come before the shared ones."""
+    for pattern, target in rules:
         match = pattern.fullmatch(name)
         if match:
             return target(match)

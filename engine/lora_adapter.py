@@ -22,11 +22,13 @@ from typing import TYPE_CHECKING
 
 from pdserve.engine.config import ModelConfig, is_moe_layer
 from pdserve.engine.lora_request import LoRARequest
+from pdserve.engine.models import MODELS
 
 if TYPE_CHECKING:
     import torch
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+LORA_FAMILIES = ("llama", "gemma")  # model modules (engine.models.MODELS) whose linears adapt
 # PEFT module -> (our linear, its slices that the module's B rows cover, in order)
 MODULES = {
     "q_proj": ("self_attn.qkv_proj", ("q",)),
@@ -66,6 +68,10 @@ def check_adapter(path: str, model: ModelConfig, max_rank: int) -> LoRAAdapterCo
     """The adapter at `path`, checked against `model` without loading it: ValueError naming
     what is wrong (a missing file, a rank above `max_rank`, a module the base lacks, a shape
     of another base model)."""
+    if MODELS[model.architecture][0] not in LORA_FAMILIES:
+        raise ValueError(f"lora_path: adapters map onto the Llama family's linears; "
+                         f"{model.architecture}'s layers (latent attention, biased experts) "
+                         "take none")
     config = _read_config(Path(path), max_rank)
     for name, (layer, module, kind, shape) in _tensor_shapes(Path(path)).items():
         want = _expected_shape(model, layer, module, kind, config.rank)

@@ -139,14 +139,19 @@ class ModelRunner:
         return graphs
 
     def _allocate_kv_caches(self, extra_blocks: int = 0) -> list[tuple[torch.Tensor, ...]]:
-        """Per layer (k, v), or (k, v, k_scale, v_scale) for an int8 cache; zero-filled.
-        `extra_blocks` past the pool's (the decode graphs' dummy block)."""
+        """Per layer (k, v), or (k, v, k_scale, v_scale) for an int8 cache, or (latent,) for
+        latent attention; zero-filled. `extra_blocks` past the pool's (the decode graphs' dummy
+        block)."""
         cfg, cache = self.config.model, self.config.cache
         assert cache.num_blocks is not None, "size the cache with config.with_num_blocks first"
+        num_blocks = cache.num_blocks + extra_blocks
+        if cfg.latent_dim:  # one entry per token, whole on every TP rank
+            return [(torch.zeros(num_blocks, self.block_size, cfg.latent_dim, dtype=self.dtype,
+                                 device=self.device),) for _ in range(cfg.num_layers)]
         num_kv_heads = self.tp.split(cfg.num_kv_heads, "num_key_value_heads")
         dtype = torch.int8 if cache.cache_dtype == "int8" else self.dtype
         return [
-            allocate_kv_cache(cache.num_blocks + extra_blocks, self.block_size, num_kv_heads,
+            allocate_kv_cache(num_blocks, self.block_size, num_kv_heads,
                               cfg.head_dim, dtype, self.device)
             for _ in range(cfg.num_layers)
         ]

@@ -15,12 +15,13 @@ calls `ops.<op>` and never asks what the device, the cache dtype or a weight's l
 - weights: `prepare_linears(weights, dtype)` at load turns every linear's loaded weight (dense, or a
   `QuantizedWeight`) into a `LinearKernel` in the backend's layout (packing, huge pages,
   quantized ops), called as `kernel(x, bias)` from then on;
-- MoE experts: `prepare_experts(w13, w2, dtype)` at load, an `ExpertsKernel` called as
-  `kernel(x, topk_weights, topk_ids, expert_start)`: the routed tokens' grouped GEMMs;
+- MoE experts: `prepare_experts(w13, w2, dtype)` at load (gpt-oss's biases and "swigluoai"
+  activation as keywords), an `ExpertsKernel` called as `kernel(x, topk_weights, topk_ids,
+  expert_start)`: the routed tokens' grouped GEMMs;
 - the layer stack: `decoder_layers(layers)` builds it; `prepare()` binds it after loading;
-- attention: `attention(q, k, v, kv_cache, meta, scale, sliding_window=, soft_cap=)` stores a
-  step's K/V and attends (int8 or float cache alike, a layer's window and soft cap); the single
-  ops beside it are what benchmarks and tests call;
+- attention: `attention(q, k, v, kv_cache, meta, scale, sliding_window=, soft_cap=, sinks=)`
+  stores a step's K/V and attends (int8 or float cache alike, a layer's window, soft cap and
+  gpt-oss's attention sinks); the single ops beside it are what benchmarks and tests call;
 - norms, rotary, activations (SwiGLU's, GeGLU's), the KV store and the KV transfer's block
   pack/unpack; structured outputs' token mask on the logits;
 - LoRA adapters: `add_lora(y, x, a, b, mapping, slice_offsets)` adds each token's adapter
@@ -28,8 +29,12 @@ calls `ops.<op>` and never asks what the device, the cache dtype or a weight's l
   (`lora_shrink`: x A^T into an fp32 buffer) then expand (`lora_expand`: y += buffer B^T per
   slice of a fused projection), Punica's SGMV.
 
-A new op (latent attention) is a method here with its reference in `kernels.reference`,
-overridden where a backend has a kernel.
+- latent attention (MLA): `latent_attention(q_nope, q_pe, entry, kv_cache, meta, scale, w_uk, w_uv,
+  expand)` stores a step's latent entries and attends, decodes absorbed into the latent space and
+  prefills plain (`kernels.reference.latent_attention`), over its single-tensor cache.
+
+A new op is a method here with its reference in `kernels.reference`, overridden where a backend
+has a kernel.
 Only the chosen room is imported: nothing on the CPU path imports Triton, nothing on the CUDA
 path the C kernels' ctypes glue.
 """
@@ -39,7 +44,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 import torch
@@ -50,11 +55,18 @@ from pdserve.kernels.lora_mapping import LoRAMapping
 from pdserve.kernels.quant_weights import QuantizedWeight
 from pdserve.kernels.reference.fused_moe import (
     ExpertsRef,
+    ExpertVariant,
     ExpertWeights,
     cast_experts,
     expert_shapes,
 )
 from pdserve.kernels.reference.gelu_and_mul import gelu_tanh_and_mul_ref
+from pdserve.kernels.reference.latent_attention import (
+    gather_latent_ref,
+    paged_latent_decode_attention_ref,
+    prefill_attention_ref,
+    store_latent_ref,
+)
 from pdserve.kernels.reference.linear import DenseLinear, QuantLinearRef
 from pdserve.kernels.reference.lora import lora_expand_ref, lora_shrink_ref
 from pdserve.kernels.reference.pack_blocks import pack_blocks_ref, unpack_blocks_ref
@@ -68,6 +80,7 @@ from pdserve.kernels.reference.rms_norm import rms_norm_ref
 from pdserve.kernels.reference.rotary_embedding import rotary_embedding_ref
 from pdserve.kernels.reference.silu_and_mul import silu_and_mul_ref
 from pdserve.kernels.reference.store_kv import store_kv_int8_ref, store_kv_ref
+from pdserve.kernels.reference.swigluoai_and_mul import SWIGLU_ALPHA, SWIGLU_LIMIT
 from pdserve.kernels.reference.token_bitmask import apply_token_bitmask_ref
 
 logger = logging.getLogger(__name__)
@@ -122,6 +135,11 @@ class KernelBackend:
     store_kv_int8 = staticmethod(store_kv_int8_ref)
     paged_decode_attention_int8 = staticmethod(paged_decode_attention_int8_ref)
     paged_prefill_attention_int8 = staticmethod(paged_prefill_attention_int8_ref)
+    # Latent attention (MLA): its one-tensor cache, absorbed decode, dense prefill attention.
+    store_latent = staticmethod(store_latent_ref)
+    gather_latent = staticmethod(gather_latent_ref)
+    paged_latent_decode_attention = staticmethod(paged_latent_decode_attention_ref)
+    prefill_attention = staticmethod(prefill_attention_ref)
     # KV transfer: one layer's blocks <-> one contiguous buffer.
     pack_blocks = staticmethod(pack_blocks_ref)
     unpack_blocks = staticmethod(unpack_blocks_ref)
@@ -143,14 +161,22 @@ class KernelBackend:
         for w in weights:
             yield QuantLinearRef(w) if isinstance(w, QuantizedWeight) else DenseLinear(w)
 
-    def prepare_experts(self, w13: ExpertWeights, w2: ExpertWeights, dtype: torch.dtype
-                        ) -> ExpertsKernel:
+    def prepare_experts(
+        self, w13: ExpertWeights, w2: ExpertWeights, dtype: torch.dtype, *,
+        w13_bias: torch.Tensor | None = None,  # [E, 2 * I]: gate, then up (gpt-oss)
+        w2_bias: torch.Tensor | None = None,  # [E, H] (gpt-oss)
+        activation: str = "silu",  # or "swigluoai" (gpt-oss)
+        swiglu_alpha: float = SWIGLU_ALPHA,
+        swiglu_limit: float = SWIGLU_LIMIT,
+    ) -> ExpertsKernel:
         """A MoE layer's loaded experts in this backend's form, once at load, for activations
         of `dtype`: w13 [E, 2 * I, H] (gate rows, then up rows) and w2 [E, H, I] dense, or each
-        a sequence of E `QuantizedWeight`s. Called as `kernel(x, topk_weights, topk_ids,
-        expert_start)` from then on (`kernels.reference.fused_moe`)."""
-        expert_shapes(w13, w2)
-        return ExpertsRef(cast_experts(w13, dtype), cast_experts(w2, dtype))
+        a sequence of E `QuantizedWeight`s; gpt-oss's biases and activation with them
+        (`ExpertVariant`). Called as `kernel(x, topk_weights, topk_ids, expert_start)` from
+        then on (`kernels.reference.fused_moe`)."""
+        variant = ExpertVariant(w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit)
+        variant = variant.checked(*expert_shapes(w13, w2), dtype)
+        return ExpertsRef(cast_experts(w13, dtype), cast_experts(w2, dtype), variant)
 
     def add_lora(
         self,
@@ -177,14 +203,15 @@ class KernelBackend:
         *,
         sliding_window: int | None = None,  # keys p - W < j <= p only; None: all j <= p
         soft_cap: float | None = None,  # scores c * tanh(s / c); None: uncapped
+        sinks: torch.Tensor | None = None,  # fp32 [num_heads]: gpt-oss's per-head sink logits
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Store the step's K/V into the cache, then attend: decodes and prefills apart, with
-        the layer's window and soft cap."""
+        the layer's window, soft cap and attention sinks."""
         int8 = len(kv_cache) == 4
         store = self.store_kv_int8 if int8 else self.store_kv
         decode = self.paged_decode_attention_int8 if int8 else self.paged_decode_attention
         prefill = self.paged_prefill_attention_int8 if int8 else self.paged_prefill_attention
-        variant = {"sliding_window": sliding_window, "soft_cap": soft_cap}
+        variant = {"sliding_window": sliding_window, "soft_cap": soft_cap, "sinks": sinks}
         store(k, v, *kv_cache, meta.slot_mapping)
         num_decode = meta.num_decode_tokens
         parts = []
@@ -197,6 +224,44 @@ class KernelBackend:
             parts.append(prefill(q[num_decode:], *kv_cache, p.block_tables, p.query_start_loc,
                                  p.context_lens, scale, p.max_query_len, p.max_context_len,
                                  **variant))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+    def latent_attention(
+        self,
+        q_nope: torch.Tensor,  # [num_tokens, num_heads, nope_dim]
+        q_pe: torch.Tensor,  # [num_tokens, num_heads, rope_dim], RoPE applied
+        entry: torch.Tensor,  # [num_tokens, kv_lora_rank + rope_dim]: normed latent, RoPE'd key
+        kv_cache: tuple[torch.Tensor],  # (cache [num_blocks, block_size, entry_dim],)
+        meta: AttentionMetadata,
+        scale: float,
+        w_uk: torch.Tensor,  # [num_heads, nope_dim, kv_lora_rank]: each head's key up-projection
+        w_uv: torch.Tensor,  # [num_heads, v_dim, kv_lora_rank]: each head's value up-projection
+        expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:  # [num_tokens, num_heads, v_dim]
+        """Store the step's latent entries, then attend: decodes absorbed (the query into the
+        latent space by W_UK, the output out of it by W_UV), prefills plain (the context's
+        latents gathered and `expand`ed, [S, rank] -> ([S, H, nope_dim], [S, H, v_dim]), by
+        the layer's kv_b_proj)."""
+        (cache,) = kv_cache
+        rank = w_uk.shape[-1]
+        self.store_latent(entry, cache, meta.slot_mapping)
+        n = meta.num_decode_tokens
+        parts = []
+        if meta.decode is not None:
+            d = meta.decode
+            q = torch.cat([torch.einsum("thn,hnl->thl", q_nope[:n], w_uk), q_pe[:n]], dim=-1)
+            latent = self.paged_latent_decode_attention(q, cache, d.block_tables, d.context_lens,
+                                                        scale, d.max_context_len, rank)
+            parts.append(torch.einsum("thl,hvl->thv", latent, w_uv))
+        if meta.prefill is not None:
+            p = meta.prefill
+            context = self.gather_latent(cache, p.block_tables, p.context_lens)  # [S, entry]
+            k_nope, v = expand(context[:, :rank])
+            k_pe = context[:, None, rank:].expand(-1, k_nope.shape[1], -1)
+            q = torch.cat([q_nope[n:], q_pe[n:]], dim=-1)
+            parts.append(self.prefill_attention(q, torch.cat([k_nope, k_pe], dim=-1), v,
+                                                p.query_start_loc, p.context_lens, scale))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 

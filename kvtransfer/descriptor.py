@@ -135,12 +135,14 @@ class TransferDescriptor:
         for j, dest in enumerate(self.destinations):
             if not isinstance(dest, DestinationShard) or dest.endpoint.rank != j:
                 raise DescriptorError(f"destinations[{j}] must be a DestinationShard of rank {j}")
-            if (dest.head_start, dest.head_end) != (j * width, (j + 1) * width):
-                raise DescriptorError("destination head ranges must split the KV heads evenly "
-                                      "in rank order")
             if len(dest.block_ids) != len(self.destinations[0].block_ids):
                 raise DescriptorError("every destination rank must reserve the same number "
                                       "of blocks")
+        ranges = [(d.head_start, d.head_end) for d in self.destinations]
+        if ranges not in ([(j * width, (j + 1) * width) for j in range(len(ranges))],
+                          [(0, width)] * len(ranges)):
+            raise DescriptorError("destination head ranges must split the KV heads evenly "
+                                  "in rank order, or each be all of them (a latent cache)")
 
     @classmethod
     def new(
@@ -180,9 +182,11 @@ class TransferDescriptor:
             raise ValueError(f"descriptor of {self.request_id!r} has layout id "
                              f"{self.layout_id.hex()}, this worker's is {layout.layout_id.hex()} "
                              f"({layout}); the prefill and decode models/cache configs differ")
-        if self.destinations[-1].head_end != layout.num_kv_heads:
-            raise ValueError(f"descriptor head ranges cover {self.destinations[-1].head_end} "
-                             f"KV heads, the layout has {layout.num_kv_heads}")
+        ranges = [(d.head_start, d.head_end) for d in self.destinations]
+        if ranges != layout.head_ranges(len(ranges)):
+            raise ValueError(f"descriptor head ranges {ranges} are not the layout's "
+                             f"{layout.head_ranges(len(ranges))} ({layout.num_kv_heads} KV heads, "
+                             f"{layout.kind}, over {len(ranges)} ranks)")
 
     def encode(self) -> bytes:
         """UTF-8 JSON; `decode(encode(d)) == d`."""

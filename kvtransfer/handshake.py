@@ -43,7 +43,7 @@ from pdserve.kvtransfer.layout import KVLayout
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: the layout names its kind (per-head or latent)
 MAX_REQUEST_BYTES = 4096
 MAX_ANSWER_BYTES = 2048
 MAX_AGE_S = 60.0
@@ -52,7 +52,7 @@ _SIG_HEX = 64
 _HEX = frozenset("0123456789abcdef")
 _REQUEST, _ANSWER, _PAIR = b"pdkv-connect-v2", b"pdkv-answer-v2", b"pdkv-pair-v2"
 _BODY_KEYS = {"v", "source", "dest", "ts", "layout"}
-_LAYOUT_STR = ("model", "dtype")
+_LAYOUT_STR = ("model", "dtype", "kind")
 _LAYOUT_INT = ("block_size", "num_layers", "num_kv_heads", "head_dim")
 
 # accept(source, layout) -> None to accept, or (code, reason) to refuse.

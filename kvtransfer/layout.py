@@ -6,6 +6,12 @@ with TP=p to a decode group with TP=d is a set of head-range intersections: sour
 `[i*H/p, (i+1)*H/p)`, destination rank j owns `[j*H/d, (j+1)*H/d)`, and i sends j exactly the
 overlap (`reshard_routes`). Head ranges are always *global* head indices; each side converts
 to its local cache index by subtracting its own shard start.
+
+A latent cache (`kind="latent"`, multi-head latent attention) holds one entry per token and
+layer, not split over ranks: every tensor-parallel rank holds all of it, so every destination
+rank receives the whole entry, from source rank `j % p`. On the wire an entry travels as its
+two halves, in the places K and V take for a per-head cache (`transfer_view`), each half one
+"head" of `head_dim` values: the bytes moved per token are exactly the entry's.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ _ELEMENT_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 LAYOUT_ID_BYTES = 16
 MAX_MODEL_ID_CHARS = 256
 _LIMITS = {"block_size": 4096, "num_layers": 4096, "num_kv_heads": 4096, "head_dim": 4096}
+KINDS = ("heads", "latent")
 
 
 @dataclass(frozen=True)
@@ -39,8 +46,9 @@ class KVLayout:
     dtype: str  # "float32" | "float16" | "bfloat16"
     block_size: int
     num_layers: int
-    num_kv_heads: int  # total over all TP ranks
-    head_dim: int
+    num_kv_heads: int  # total over all TP ranks (a latent cache: 1)
+    head_dim: int  # a latent cache: half its entry
+    kind: str = "heads"  # "heads": K and V per KV head; "latent": one entry, on every rank
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not 0 < len(self.model) <= MAX_MODEL_ID_CHARS:
@@ -52,11 +60,21 @@ class KVLayout:
             value = getattr(self, name)
             if type(value) is not int or not 0 < value <= limit:
                 raise ValueError(f"{name} must be an int in [1, {limit}], got {value!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind == "latent" and self.num_kv_heads != 1:
+            raise ValueError(f"a latent cache is one head, got num_kv_heads={self.num_kv_heads}")
 
     @classmethod
     def from_model_config(cls, config: Any, block_size: int, model: str | None = None) -> KVLayout:
         """From an `engine.config.ModelConfig`; `model` defaults to the checkpoint dir name."""
         name = model or str(config.path).rstrip("/").rsplit("/", 1)[-1]
+        if config.latent_dim:
+            if config.latent_dim % 2:
+                raise ValueError(f"a latent KV entry of {config.latent_dim} values can't travel "
+                                 "as two halves (kv_lora_rank + qk_rope_head_dim must be even)")
+            return cls(name, config.dtype, block_size, config.num_layers, 1,
+                       config.latent_dim // 2, "latent")
         return cls(name, config.dtype, block_size, config.num_layers, config.num_kv_heads,
                    config.head_dim)
 
@@ -84,9 +102,12 @@ class KVLayout:
         return 2 * self.block_size * num_heads * self.head_dim * self.element_size
 
     def head_ranges(self, tp_size: int) -> list[tuple[int, int]]:
-        """The global KV-head range `[start, end)` each of `tp_size` ranks holds."""
+        """The global KV-head range `[start, end)` each of `tp_size` ranks holds (a latent
+        cache: all of it, on every rank)."""
         if type(tp_size) is not int or tp_size < 1:
             raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
+        if self.kind == "latent":
+            return [(0, self.num_kv_heads)] * tp_size
         if self.num_kv_heads % tp_size:
             divisors = [t for t in range(1, self.num_kv_heads + 1) if self.num_kv_heads % t == 0]
             raise ValueError(
@@ -115,9 +136,12 @@ class ShardRoute:
 def reshard_routes(layout: KVLayout, source_tp: int, dest_tp: int) -> list[ShardRoute]:
     """Every (source rank, destination rank, head range) of a TP=p -> TP=d transfer.
 
-    Each global head appears in exactly one route; raises ValueError when either TP size
-    does not divide the number of KV heads.
+    Each global head appears in exactly one route per destination rank; raises ValueError when
+    either TP size does not divide the number of KV heads. A latent cache: destination rank j
+    gets the whole entry from source rank j % source_tp.
     """
+    if layout.kind == "latent":
+        return [ShardRoute(j % source_tp, j, 0, layout.num_kv_heads) for j in range(dest_tp)]
     sources, dests = layout.head_ranges(source_tp), layout.head_ranges(dest_tp)
     routes = []
     for i, (s0, s1) in enumerate(sources):
@@ -142,6 +166,17 @@ def routes_to(layout: KVLayout, dest_rank: int, source_tp: int, dest_tp: int) ->
     if not 0 <= dest_rank < dest_tp:
         raise ValueError(f"dest_rank must be in [0, {dest_tp}), got {dest_rank}")
     return [r for r in reshard_routes(layout, source_tp, dest_tp) if r.dest_rank == dest_rank]
+
+
+def transfer_view(layout: KVLayout, kv_caches: Sequence[tuple[torch.Tensor, ...]]
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, what a transfer moves as the wire's (K, V): a per-head cache's K and V; a
+    latent cache's two halves of every entry, each viewed `[num_blocks, block_size, 1,
+    head_dim]` (the module doc)."""
+    if layout.kind == "heads":
+        return [(kv[0], kv[1]) for kv in kv_caches]
+    half = layout.head_dim
+    return [(c[..., :half].unsqueeze(2), c[..., half:].unsqueeze(2)) for (c,) in kv_caches]
 
 
 def check_kv_caches(

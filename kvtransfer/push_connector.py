@@ -29,7 +29,7 @@ from pdserve.engine.scheduler_output import KVSaveResult, SchedulerOutput
 from pdserve.kvtransfer.connector import Connector
 from pdserve.kvtransfer.descriptor import TransferDescriptor
 from pdserve.kvtransfer.errors import ErrorCode, TransferError
-from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.layout import KVLayout, transfer_view
 from pdserve.kvtransfer.sender import KVSender, PushHandle, PushPlan
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,8 @@ class KVPushConnector(KVConnector):
     # ---- worker side ----
 
     def register_kv_caches(self, kv_caches: Sequence[tuple[torch.Tensor, ...]]) -> None:
-        self.sender = KVSender(self.layout, self._transport, 1, [kv[:2] for kv in kv_caches])
+        self.sender = KVSender(self.layout, self._transport, 1,
+                               transfer_view(self.layout, kv_caches))
 
     def start_save(self, plan: SchedulerOutput) -> None:
         """Plan the pushes of the requests whose prompt this step completes."""

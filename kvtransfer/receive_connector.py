@@ -38,7 +38,7 @@ from pdserve.engine.scheduler_output import KVSaveResult, SchedulerOutput, Token
 from pdserve.kvtransfer.connector import Listener
 from pdserve.kvtransfer.descriptor import Endpoint, TransferDescriptor
 from pdserve.kvtransfer.errors import TransferError
-from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.layout import KVLayout, transfer_view
 from pdserve.kvtransfer.receiver import KVReceiver
 
 logger = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class KVReceiveConnector(KVConnector):
 
     def register_kv_caches(self, kv_caches: Sequence[tuple[torch.Tensor, ...]]) -> None:
         self.receiver = KVReceiver(self.layout, self._listener, self.tp.size,
-                                   [kv[:2] for kv in kv_caches])
+                                   transfer_view(self.layout, kv_caches))
 
     def start_save(self, plan: SchedulerOutput) -> None:
         """A decode worker pushes nothing: no step of it saves KV."""

@@ -119,6 +119,7 @@ class KVSender:
         self._pool = pool or BufferPool()
         self._contiguous = all(k.is_contiguous() and v.is_contiguous() for k, v in kv_caches)
         self._group_ids = itertools.count(1)
+        self.sent_nbytes = 0  # KV payload bytes handed to the transport, every layer and plan
 
     def plan(
         self, transfers: Sequence[tuple[TransferDescriptor, Sequence[int]]],
@@ -253,4 +254,5 @@ class KVSender:
             _, ops = channel.post_message(header, self.layout, parts)
         except TransferError as e:
             raise e.for_transfers(plan.transfer_ids) from None
+        self.sent_nbytes += sum(p.numel() * p.element_size() for p in parts)
         return PushHandle(channel, ops, plan, self._pool, pooled)

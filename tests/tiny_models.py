@@ -30,7 +30,8 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 
@@ -59,7 +60,52 @@ def write_tiny_model(
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0.0, 0.15 if "embed" in name else 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's routing bias
+                buffer.normal_(0.0, 0.1)
     model.save_pretrained(str(out))
     if tok is not None:
         tok.save_pretrained(str(out))
+    return out
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` [..., K] (K a multiple of 32) as MXFP4 blocks [..., K/32, 16] and scales
+    [..., K/32], uint8: each group's scale the power of two that puts its largest magnitude in
+    (3, 6], each value rounded to the nearest E2M1 code (engine.mxfp4's format)."""
+    from pdserve.engine.mxfp4 import E2M1, GROUP
+
+    groups = weight.float().reshape(*weight.shape[:-1], -1, GROUP)
+    peak = groups.abs().amax(dim=-1).clamp(min=2.0**-120)
+    exponent = torch.ceil(torch.log2(peak / 6.0))
+    codes = torch.tensor(E2M1)
+    scaled = groups / torch.exp2(exponent)[..., None]
+    index = (scaled[..., None] - codes).abs().argmin(dim=-1).to(torch.uint8)  # [..., G, 32]
+    blocks = index[..., 0::2] | (index[..., 1::2] << 4)
+    return blocks, (exponent + 127).to(torch.uint8)
+
+
+def write_mxfp4_twin(dense_dir: str | Path, out: str | Path) -> Path:
+    """A copy of the tiny gpt-oss checkpoint at `dense_dir` with its experts in MXFP4 (as
+    released gpt-oss checkpoints store them), and `dense_dir`'s experts replaced by exactly the
+    values the MXFP4 codes stand for (transformers' own dequantization), so transformers on
+    the dense one is the reference for the MXFP4 one."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    dense_dir, out = Path(dense_dir), Path(out)
+    shutil.copytree(dense_dir, out, dirs_exist_ok=True)
+    tensors = load_file(str(dense_dir / "model.safetensors"))
+    dense, packed = {}, {}
+    for name, tensor in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = quantize_mxfp4(tensor.transpose(1, 2))  # [E, out, in]
+            packed[f"{name}_blocks"], packed[f"{name}_scales"] = blocks, scales
+            dense[name] = convert_moe_packed_tensors(blocks, scales, dtype=tensor.dtype)
+        else:
+            dense[name] = packed[name] = tensor
+    save_file(dense, str(dense_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(packed, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

@@ -53,22 +53,27 @@ QK_NORM = frozenset({"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
 
 class LlamaAttention(torch.nn.Module):
     """`norm` makes the per-head q/k norms (None: none); `window` is this layer's sliding
-    window, `scale` and `soft_cap` what the attention scores are multiplied and capped by."""
+    window, `scale` and `soft_cap` what the attention scores are multiplied and capped by;
+    `sinks`: a learned logit per head in every softmax (gpt-oss)."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, ops: KernelBackend,
                  rope: tuple[torch.Tensor, torch.Tensor], window: int | None = None,
                  norm: Callable[[], torch.nn.Module] | None = None, scale: float | None = None,
-                 soft_cap: float | None = None, **kw):
+                 soft_cap: float | None = None, sinks: bool = False, **kw):
         super().__init__()
         d = cfg.head_dim
         self.num_heads = tp.split(cfg.num_heads, "num_attention_heads")
         self.num_kv_heads = tp.split(cfg.num_kv_heads, "num_key_value_heads")
         shards = {"q": cfg.num_heads * d, "k": cfg.num_kv_heads * d, "v": cfg.num_kv_heads * d}
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, shards, cfg.attention_bias, tp, **kw)
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp, **kw)
+        # HF's attention_bias biases o_proj too (Llama, gpt-oss); Qwen2's q/k/v biases do not
+        o_bias = bool(getattr(cfg.hf_config, "attention_bias", False))
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp, bias=o_bias, **kw)
         self.q_norm = norm() if norm else None
         self.k_norm = norm() if norm else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, d, ops, scale, window, soft_cap)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, ops, scale, window, soft_cap,
+                              sinks_from=tp.rank * self.num_heads if sinks else None,
+                              device=kw.get("device"))
         self.head_dim = d
         self.rope = rope  # the model's cos, sin tables, shared by every layer (of a kind)
         self.ops = ops
@@ -95,15 +100,18 @@ class LlamaAttention(torch.nn.Module):
 
 
 class LlamaMLP(torch.nn.Module):
-    """down(act(gate) * up): SwiGLU, or Gemma's GeGLU with `act=ops.gelu_tanh_and_mul`."""
+    """down(act(gate) * up): SwiGLU, or Gemma's GeGLU with `act=ops.gelu_tanh_and_mul`;
+    `intermediate_size` where it is not the config's (DeepSeek's shared experts)."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, ops: KernelBackend,
-                 act: Callable[[torch.Tensor], torch.Tensor] | None = None, **kw):
+                 act: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 intermediate_size: int | None = None, **kw):
         super().__init__()
         self.act = act or ops.silu_and_mul
-        shards = {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}
+        inter = intermediate_size or cfg.intermediate_size
+        shards = {"gate": inter, "up": inter}
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, shards, False, tp, **kw)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, **kw)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp, **kw)
 
     def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x, lora)), lora)
@@ -133,9 +141,9 @@ class LlamaDecoderLayer(torch.nn.Module):
     def block(self) -> DecoderBlock | None:
         """This layer as the standard block a backend may run fused (after prepare_weights),
         Qwen3's q/k norms and a sliding window included; None where it is not that block
-        (routed experts)."""
+        (routed experts, an o_proj bias)."""
         attn, mlp = self.self_attn, self.mlp
-        if isinstance(mlp, SparseMoe):
+        if isinstance(mlp, SparseMoe) or attn.o_proj.bias is not None:
             return None
         tp = attn.o_proj.tp
         return DecoderBlock(

@@ -187,17 +187,23 @@ class ColumnParallelLinear(ParallelLinear):
 
 
 class RowParallelLinear(ParallelLinear):
-    """y = x W^T with W's input columns split over ranks; partial sums all-reduced."""
+    """y = x W^T (+ b) with W's input columns split over ranks; partial sums all-reduced, the
+    bias (whole on every rank) added once, after the sum."""
 
     def __init__(
         self, in_features: int, out_features: int, tp: TensorParallel,
-        dtype: torch.dtype, device: torch.device,
+        dtype: torch.dtype, device: torch.device, bias: bool = False,
     ):
         cols = tp.split(in_features, "in_features")
         super().__init__(out_features, cols, dtype, device)
         self.tp, self.cols = tp, cols
+        self.bias = torch.nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
+                                       False) if bias else None
 
     def load(self, name: str, tensor: torch.Tensor | QuantizedWeight, shard: str = "") -> None:
+        if name == "bias":
+            self.bias.data.copy_(tensor)
+            return
         local = tensor.narrow(1, self.tp.rank * self.cols, self.cols)  # whole groups only
         if isinstance(local, QuantizedWeight):
             self._set_quantized(local)
@@ -215,7 +221,8 @@ class RowParallelLinear(ParallelLinear):
         return a.narrow(1, self.tp.rank * self.cols, self.cols), b
 
     def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
-        return self.tp.all_reduce(self._with_lora(self.kernel(x), x, lora))
+        y = self.tp.all_reduce(self._with_lora(self.kernel(x), x, lora))
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(torch.nn.Module):
@@ -264,7 +271,10 @@ class FusedExperts(torch.nn.Module):
     """This rank's experts, stacked: loaded expert by expert (or whole, as transformers 5 keeps
     them in memory), then one `ExpertsKernel` of the backend. Experts quantized at load (int8 /
     int4, one `QuantizedWeight` per expert's gate, up and down) stay quantized: the kernel gets
-    each expert's [gate | up] and down as `QuantizedWeight`s."""
+    each expert's [gate | up] and down as `QuantizedWeight`s. `variant`: what a subclass adds
+    to `prepare_experts` (gpt-oss's biases and activation)."""
+
+    variant: dict = {}
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  tp: TensorParallel, dtype: torch.dtype, device: torch.device):
@@ -333,10 +343,12 @@ class FusedExperts(torch.nn.Module):
                 raise ValueError("model: a MoE layer's experts are partly quantized")
             q, experts = self._quantized, range(self.local_experts)
             w13 = [cat_rows([q[e, "gate"], q[e, "up"]]) for e in experts]
-            self.kernel = ops.prepare_experts(w13, [q[e, "down"] for e in experts], self.dtype)
+            self.kernel = ops.prepare_experts(w13, [q[e, "down"] for e in experts], self.dtype,
+                                              **self.variant)
             self._quantized = {}
         else:
-            self.kernel = ops.prepare_experts(self.w13.data, self.w2.data, self.dtype)
+            self.kernel = ops.prepare_experts(self.w13.data, self.w2.data, self.dtype,
+                                              **self.variant)
         self.w13 = self.w2 = None
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -361,10 +373,11 @@ def prepare_weights(model: torch.nn.Module, ops: KernelBackend, dtype: torch.dty
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's weights as held: parameters and every prepared kernel's tensors
+    """Bytes of the model's weights as held: parameters, buffers (weights derived at load) and
+    every prepared kernel's tensors
     (quantized linears at their packed size, the LM head's packed copy of a tied embedding),
     each tensor once."""
-    tensors = list(model.parameters())
+    tensors = [*model.parameters(), *model.buffers()]
     for m in model.modules():
         if isinstance(m, FusedExperts) and m.kernel is not None:
             tensors += m.kernel.tensors

@@ -1,7 +1,8 @@
 /* What every CPU attention path shares (paged_decode_attention.c and its bf16 headers):
  * 16-float vectors, the 16-dot reduction tree `sum16`, `exp_shifted` (a softmax's
- * exponentials and its denominator), `window_start` and `soft_cap_scores` (the per-layer
- * variants: sliding window, logit soft-capping). */
+ * exponentials and its denominator; `exp_shifted_sink` with an attention sink's logit in
+ * the denominator), `window_start` and `soft_cap_scores` (the per-layer variants: sliding
+ * window, logit soft-capping). */
 #ifndef PDSERVE_ATTENTION_MATH_H
 #define PDSERVE_ATTENTION_MATH_H
 
@@ -37,16 +38,24 @@ static inline v16 sum16(v16 *a) {
          + SHUF(a[0], a[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-/* s[0:len] = exp(s - max(s)), and s[len:len + tail] = 0; returns the sum (the softmax's
- * denominator: the weights are left unnormalized). */
-static inline float exp_shifted(float *s, int64_t len, int64_t tail) {
-    float top = -INFINITY, sum = 0.0f;
+/* s[0:len] = exp(s - m), and s[len:len + tail] = 0, m the max of s and `sink` (gpt-oss's
+ * attention sink: one more logit with no value; -INFINITY: none); returns the softmax's
+ * denominator, the sum of the exponentials and exp(sink - m) (the weights are left
+ * unnormalized). Without a sink, exactly `exp_shifted`. */
+static inline float exp_shifted_sink(float *s, int64_t len, int64_t tail, float sink) {
+    float top = sink, sum = 0.0f;
 #pragma omp simd reduction(max : top)
     for (int64_t t = 0; t < len; t++) top = s[t] > top ? s[t] : top;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < len; t++) sum += (s[t] = exp_nonpositive(s[t] - top));
     for (int64_t t = len; t < len + tail; t++) s[t] = 0.0f;
-    return sum;
+    return sink == -INFINITY ? sum : sum + exp_nonpositive(sink - top);
+}
+
+/* s[0:len] = exp(s - max(s)), and s[len:len + tail] = 0; returns the sum (the softmax's
+ * denominator: the weights are left unnormalized). */
+static inline float exp_shifted(float *s, int64_t len, int64_t tail) {
+    return exp_shifted_sink(s, len, tail, -INFINITY);
 }
 
 /* The first key a query sees: the one `window` before its end (keys p - window < j <= p for

@@ -15,6 +15,7 @@ from pdserve.kernels.backend import (
 )
 from pdserve.kernels.cpu import fused_moe, huge_pages, packed_linear, quant_linear
 from pdserve.kernels.cpu.decoder_layers import CpuDecoderLayers
+from pdserve.kernels.cpu.latent_attention import paged_latent_decode_attention_cpu
 from pdserve.kernels.cpu.lora import lora_expand_cpu, lora_shrink_cpu
 from pdserve.kernels.cpu.paged_attention import (
     available,
@@ -27,20 +28,24 @@ from pdserve.kernels.cpu.silu_and_mul import silu_and_mul_cpu
 from pdserve.kernels.cpu.store_kv import store_kv_cpu
 from pdserve.kernels.cpu.token_bitmask import apply_token_bitmask_cpu
 from pdserve.kernels.quant_weights import QuantizedWeight
+from pdserve.kernels.reference.fused_moe import ExpertVariant
 from pdserve.kernels.reference.linear import DenseLinear
+from pdserve.kernels.reference.swigluoai_and_mul import SWIGLU_ALPHA, SWIGLU_LIMIT
 
 
 class CpuBackend(KernelBackend):
-    """Decode and prefill attention reading K/V in place, RMSNorm, RoPE, SiLU * up, the K/V
-    store, the structured-output token mask and LoRA's shrink and expand in C; bf16 linears
-    packed for `linear_bf16.c` (or oneDNN) in huge pages, quantized ones for torch's int4/int8
-    CPU ops; a bf16 layer's step and a bf16 MoE layer's experts each as one C call. int8 caches
-    and the KV transfer's block copies run the references (memcpy-bound on a CPU)."""
+    """Decode and prefill attention reading K/V in place, MLA's absorbed decode, RMSNorm, RoPE,
+    SiLU * up, the K/V store, the structured-output token mask and LoRA's shrink and expand in
+    C; bf16 linears packed for `linear_bf16.c` (or oneDNN) in huge pages, quantized ones for
+    torch's int4/int8 CPU ops; a bf16 layer's step and a bf16 MoE layer's experts each as one C
+    call. int8 caches, the KV transfer's block copies and MLA's latent store, gather and dense
+    prefill attention run the references (memcpy-bound or SDPA on a CPU)."""
 
     name = "cpu"
     store_kv = staticmethod(store_kv_cpu)
     paged_decode_attention = staticmethod(paged_decode_attention_cpu)
     paged_prefill_attention = staticmethod(paged_prefill_attention_cpu)
+    paged_latent_decode_attention = staticmethod(paged_latent_decode_attention_cpu)
     rms_norm = staticmethod(rms_norm_cpu)
     rotary_embedding = staticmethod(rotary_embedding_cpu)
     silu_and_mul = staticmethod(silu_and_mul_cpu)
@@ -72,12 +77,19 @@ class CpuBackend(KernelBackend):
             weights[i] = None  # held by `w` alone until its kernel is made
             yield self._prepare(w, dtype, memory)
 
-    def prepare_experts(self, w13: ExpertWeights, w2: ExpertWeights, dtype: torch.dtype
-                        ) -> ExpertsKernel:
+    def prepare_experts(
+        self, w13: ExpertWeights, w2: ExpertWeights, dtype: torch.dtype, *,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
+        activation: str = "silu",
+        swiglu_alpha: float = SWIGLU_ALPHA,
+        swiglu_limit: float = SWIGLU_LIMIT,
+    ) -> ExpertsKernel:
         """Each expert's two linears as `prepare_linears` makes them (`fused_moe`): bf16 ones
         packed for `linear_bf16.c` run as one C call per layer (`fused_moe.c`), the others one
-        expert at a time on its sorted tokens."""
-        return fused_moe.prepare_experts(w13, w2, dtype, self._prepare)
+        expert at a time on its sorted tokens; gpt-oss's biases and activation in both."""
+        variant = ExpertVariant(w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit)
+        return fused_moe.prepare_experts(w13, w2, dtype, self._prepare, variant)
 
     @staticmethod
     def _prepare(w: Weight, dtype: torch.dtype, memory: huge_pages.Arena) -> LinearKernel:

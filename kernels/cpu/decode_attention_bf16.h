@@ -20,7 +20,8 @@
  * slice in its own pass, 1.2-1.4x over the fp32 path per step's attention (cold caches).
  *
  * A sliding window starts the walks at the window's first key; a soft cap rewrites the fp32
- * scores before their softmax (attention_math.h).
+ * scores before their softmax, and a head's sink joins its softmax's denominator
+ * (attention_math.h).
  */
 #ifndef PDSERVE_DECODE_ATTENTION_BF16_H
 #define PDSERVE_DECODE_ATTENTION_BF16_H
@@ -86,14 +87,16 @@ static inline void prefetch_next(HeadWalk *k, HeadWalk *v, int64_t bytes) {
     }
 }
 
-/* One (sequence, KV head): `q` and `out` are its GROUP heads ([GROUP][DIM] bf16, contiguous);
+/* One (sequence, KV head): `q` and `out` are its GROUP heads ([GROUP][DIM] bf16, contiguous),
+ * `sinks` their GROUP sink logits (NULL: none);
  * `scores` holds GROUP x stride floats, `probs` GROUP x stride bf16 (stride >= len + 16).
  * `prefetch_bytes` of each row, from its start, are asked for ahead (0: none). */
 static inline __attribute__((always_inline)) void attend_group_bf16(
         const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
         const int32_t *table, int64_t len, int64_t GROUP, int64_t DIM, int64_t block_size,
         int64_t kv_dim, int64_t head_off, float scale, int64_t window, float soft_cap,
-        int64_t stride, float *scores, uint16_t *probs, uint16_t *out, int64_t prefetch_bytes) {
+        const float *sinks, int64_t stride, float *scores, uint16_t *probs, uint16_t *out,
+        int64_t prefetch_bytes) {
     const int64_t nv = DIM / 32, first = window_start(len, window);
     len -= first;  /* from here on, tokens count from the window's first */
     HeadWalk w, kp, vp;
@@ -125,7 +128,8 @@ static inline __attribute__((always_inline)) void attend_group_bf16(
     for (int64_t h = 0; h < GROUP; h++) {
         float *s = scores + h * stride;
         if (soft_cap > 0.0f) soft_cap_scores(s, len, soft_cap);
-        sums[h] = exp_shifted(s, len, 16);  /* the tail: the last pair's partner, weight 0 */
+        float sink = sinks ? sinks[h] : -INFINITY;
+        sums[h] = exp_shifted_sink(s, len, 16, sink);  /* the tail: the last pair's partner, 0 */
         uint16_t *p = probs + h * stride;
         for (int64_t t = 0; t < len + 1; t += 16)
             _mm256_storeu_si256((__m256i *)(p + t),
@@ -175,7 +179,7 @@ static int attend_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
                        const int32_t *context_lens, uint16_t *out, int64_t num_seqs,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                        int64_t block_size, int64_t max_context, float scale, int64_t window,
-                       float soft_cap) {
+                       float soft_cap, const float *sinks) {
     int64_t group = num_heads / num_kv_heads, kv_dim = num_kv_heads * head_dim;
     int64_t stride = max_context + 32;
     int failed = 0;
@@ -196,8 +200,8 @@ static int attend_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
             uint16_t *og = out + s * num_heads * head_dim + g * group * head_dim;
 #define GROUP_BF16(G, D)                                                                      \
     attend_group_bf16(qg, k_cache, v_cache, block_tables + s * table_stride, context_lens[s],  \
-                      G, D, block_size, kv_dim, g * head_dim, scale, window, soft_cap, stride, \
-                      scores, probs, og,                                                        \
+                      G, D, block_size, kv_dim, g * head_dim, scale, window, soft_cap,         \
+                      sinks ? sinks + g * group : NULL, stride, scores, probs, og,             \
                       g ? 0 : 2 * kv_dim)  /* head 0 asks for the whole rows */
             if (group == 3 && head_dim == 64) GROUP_BF16(3, 64);
             else if (group == 4 && head_dim == 64) GROUP_BF16(4, 64);

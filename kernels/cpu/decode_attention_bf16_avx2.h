@@ -26,7 +26,7 @@
  *
  * A sliding window: a tile's rows start at its first query's first visible key, and each
  * query's scores before its own first get weight 0. A soft cap rewrites the fp32 scores before
- * their softmax (attention_math.h).
+ * their softmax, and a head's sink joins its softmax's denominator (attention_math.h).
  */
 #ifndef PDSERVE_DECODE_ATTENTION_BF16_AVX2_H
 #define PDSERVE_DECODE_ATTENTION_BF16_AVX2_H
@@ -107,15 +107,18 @@ static inline __attribute__((always_inline)) void weigh_values(
 
 /* QT queries of one sequence, every head: query i is `q[i]` ([KV * GROUP][DIM] bf16) over
  * tokens firsts[i] .. lens[i] - 1 (lens[QT - 1] the longest, firsts[i] 0 without a window),
- * `off[t]` token t's row in the caches (elements), `soft_cap` 0 or the scores' cap. The queries share each key row's load and widening (prefill chunks: a run of
- * consecutive positions). Scratch: `qf` and `acc` hold KV * GROUP * DIM floats per query,
- * `scores` QT * KV * GROUP rows of `stride` (>= lens[QT - 1] + SCORE_STEP), `part` QT * KV *
- * GROUP * SCORE_STEP vectors. Rows are read whole and in order, a block's tokens in turn. */
+ * `off[t]` token t's row in the caches (elements), `soft_cap` 0 or the scores' cap, `sinks`
+ * the KV * GROUP heads' sink logits (NULL: none). The queries share each key row's load and
+ * widening (prefill chunks: a run of consecutive positions). Scratch: `qf` and `acc` hold
+ * KV * GROUP * DIM floats per query, `scores` QT * KV * GROUP rows of `stride` (>= lens[QT - 1]
+ * + SCORE_STEP), `part` QT * KV * GROUP * SCORE_STEP vectors. Rows are read whole and in
+ * order, a block's tokens in turn. */
 static inline __attribute__((always_inline)) void attend_tile_avx2(
         const uint16_t *const *q, const int64_t *firsts, const int64_t *lens, int64_t QT,
         const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *off, int64_t KV,
-        int64_t GROUP, int64_t DIM, float scale, float soft_cap, int64_t stride, float *qf,
-        float *scores, __m256 *part, float *acc, uint16_t *const *out) {
+        int64_t GROUP, int64_t DIM, float scale, float soft_cap, const float *sinks,
+        int64_t stride, float *qf, float *scores, __m256 *part, float *acc,
+        uint16_t *const *out) {
     int64_t heads = KV * GROUP, row_bytes = KV * DIM * 2, asked = 0, len = lens[QT - 1];
     for (int64_t i = 0; i < QT; i++)
         for (int64_t h = 0; h < heads; h++)
@@ -153,7 +156,8 @@ static inline __attribute__((always_inline)) void attend_tile_avx2(
         int64_t first = firsts[h / heads], end = lens[h / heads];
         for (int64_t t = 0; t < first; t++) s[t] = 0.0f;  /* before its window: weight 0 */
         if (soft_cap > 0.0f) soft_cap_scores(s + first, end - first, soft_cap);
-        float sum = exp_shifted(s + first, end - first, len - end);
+        float sink = sinks ? sinks[h % heads] : -INFINITY;
+        float sum = exp_shifted_sink(s + first, end - first, len - end, sink);
         s[len] = sum > 0.0f ? 1.0f / sum : 0.0f;  /* len 0: zeros */
     }
     for (int64_t i = 0; i < QT * heads * DIM; i++) acc[i] = 0.0f;
@@ -200,17 +204,17 @@ static int continues(const int32_t *block_tables, int64_t table_stride, const in
  * head (1.2x faster there than KV = 1 at run time). */
 typedef void (*tile_fn)(const uint16_t *const *, const int64_t *, const int64_t *,
                         const uint16_t *, const uint16_t *, const int64_t *, int64_t, int64_t,
-                        int64_t, float, float, int64_t, float *, float *, __m256 *, float *,
-                        uint16_t *const *);
+                        int64_t, float, float, const float *, int64_t, float *, float *,
+                        __m256 *, float *, uint16_t *const *);
 #define TILE_FN(NAME, QT, KV, G, D)                                                           \
     static void NAME(const uint16_t *const *q, const int64_t *firsts, const int64_t *lens,    \
                      const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *off,    \
                      int64_t kv, int64_t group, int64_t dim, float scale, float soft_cap,     \
-                     int64_t stride, float *qf, float *scores, __m256 *part, float *acc,      \
-                     uint16_t *const *out) {                                                  \
+                     const float *sinks, int64_t stride, float *qf, float *scores,            \
+                     __m256 *part, float *acc, uint16_t *const *out) {                        \
         (void)kv, (void)group, (void)dim;                                                     \
         attend_tile_avx2(q, firsts, lens, QT, k_cache, v_cache, off, KV, G, D, scale,         \
-                         soft_cap, stride, qf, scores, part, acc, out);                       \
+                         soft_cap, sinks, stride, qf, scores, part, acc, out);                \
     }
 TILE_FN(one_any, 1, kv, group, dim)
 TILE_FN(one_3x64, 1, kv, 3, 64)
@@ -256,7 +260,7 @@ static int attend_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
                        const int32_t *context_lens, uint16_t *out, int64_t num_seqs,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                        int64_t block_size, int64_t max_context, float scale, int64_t window,
-                       float soft_cap) {
+                       float soft_cap, const float *sinks) {
     int64_t group = num_heads / num_kv_heads, kv_dim = num_kv_heads * head_dim;
     int64_t stride = max_context + SCORE_STEP, q_dim = num_heads * head_dim;
     int64_t tile = group <= MAX_TILE_SUMS / QUERY_TILE ? QUERY_TILE : 1, tiles = 0;
@@ -310,8 +314,10 @@ static int attend_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
                 firsts[tile - 1 - j] = window_start(context_lens[at], window) - lo;
                 lens[tile - 1 - j] = context_lens[at] - lo;
             }
+            const float *item_sinks = sinks ? sinks + first / head_dim * group : NULL;
             (n == 1 ? one : many)(qs, firsts, lens, k_cache, v_cache, off, kv, group, head_dim,
-                                  scale, soft_cap, stride, qf, scores, part, acc, os);
+                                  scale, soft_cap, item_sinks, stride, qf, scores, part, acc,
+                                  os);
         }
         free(qf);
         free(acc);

@@ -35,6 +35,11 @@
  * (`packed_linear.pack`), given as arrays of E pointers. I and H multiples of TILE_COLS
  * (gate tile c and up tile c then start on tile boundaries; fused_moe.py checks).
  *
+ * gpt-oss's experts: biases b13 [E, 2 I] (gate, then up) and b2 [E, H] (bf16, NULL: none) go
+ * into the tiles' fp32 sums as linear_bf16's bias does, and activation 1 ("swigluoai",
+ * swigluoai_and_mul.c's, included too) replaces SiLU * up: the per-expert path's numerics
+ * again, bit for bit (its linears called with the expert's bias rows).
+ *
  * Note: build.py's cache key hashes this file and the headers, not the .c files included
  * below; a change to linear_bf16.c or silu_and_mul.c alone does not rebuild this library.
  * fused_moe.py checks that both agree on the tile width, and tests/kernels/test_fused_moe.py
@@ -47,6 +52,7 @@
 
 #include "linear_bf16.c"  /* TILES, TILE_COLS, MAX_ROWS, ROW_BLOCK, ITEM_COLS, row_t, X_FP32 */
 #include "silu_and_mul.c" /* silu(): silu_and_mul_cpu's numerics */
+#include "swigluoai_and_mul.c" /* swigluoai(): swigluoai_and_mul_cpu's numerics */
 
 #if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
 
@@ -67,6 +73,9 @@ typedef struct {
     const uint16_t *x;                   /* [T, H] */
     const float *weights;                /* [T * k] */
     const uint16_t *const *w13, *const *w2;
+    const uint16_t *b13, *b2;            /* [E, 2 I], [E, H], or NULL */
+    int activation;                      /* 0: SiLU * up, 1: swigluoai */
+    float alpha, limit;                  /* swigluoai's */
     uint16_t *out;                       /* [T, H] */
     int64_t num_tokens, top_k, hidden, inter;
     int64_t *pairs;                      /* [n] flat pair index (token * k + slot), by expert */
@@ -100,11 +109,12 @@ static void wait_for(const int64_t *counter, int64_t value) {
 
 static void finished(int64_t *counter) { __atomic_fetch_add(counter, 1, __ATOMIC_RELEASE); }
 
-/* rows x [rows, k] (row_t) times the packed tiles [col0, col1) of w [*, k] into y (bf16, ldy
- * apart, y at column col0): linear_bf16's loop over one work item, passes of equal size and
- * its prefetches, without its bias. */
-static void gemm_cols(const row_t *x, int64_t rows, int64_t k, const uint16_t *w, int64_t col0,
-                      int64_t col1, uint16_t *y, int64_t ldy) {
+/* rows x [rows, k] (row_t) times the packed tiles [col0, col1) of w [*, k] (+ bias[col0:col1],
+ * bias NULL: none) into y (bf16, ldy apart, y at column col0): linear_bf16's loop over one
+ * work item, passes of equal size and its prefetches. */
+static void gemm_cols(const row_t *x, int64_t rows, int64_t k, const uint16_t *w,
+                      const uint16_t *bias, int64_t col0, int64_t col1, uint16_t *y,
+                      int64_t ldy) {
     for (int64_t col = col0; col < col1; col += TILE_COLS)
         for (int64_t r = 0; r < rows;) {
             int64_t passes = (rows - r + MAX_ROWS - 1) / MAX_ROWS;
@@ -113,7 +123,8 @@ static void gemm_cols(const row_t *x, int64_t rows, int64_t k, const uint16_t *w
             if (r == 0)
                 ahead = count == rows             ? w + col * k + STREAM_AHEAD
                         : col + TILE_COLS < col1 ? w + (col + TILE_COLS) * k : 0;
-            TILES[count](x + r * k, k, w + col * k, 0, y + r * ldy + (col - col0), ldy, ahead);
+            TILES[count](x + r * k, k, w + col * k, bias ? bias + col : 0,
+                         y + r * ldy + (col - col0), ldy, ahead);
             r += count;
         }
 }
@@ -128,28 +139,36 @@ static void gather(const Moe *m, const Block *b) {
     }
 }
 
-/* act columns [c0, c0 + 64) of the block's rows: silu(gate) * up, as silu_and_mul_bf16. */
+/* act columns [c0, c0 + 64) of the block's rows: silu(gate) * up, as silu_and_mul_bf16, or
+ * swigluoai(gate, up), as swigluoai_and_mul_bf16 (gate and up with their biases). */
 static void gate_up(const Moe *m, const Block *b, int64_t chunk) {
     uint16_t gate[ROW_BLOCK * ITEM_COLS], up[ROW_BLOCK * ITEM_COLS];
     int64_t h = m->hidden, inter = m->inter;
     int64_t c0 = chunk * ITEM_COLS, c1 = min64(c0 + ITEM_COLS, inter), width = c1 - c0;
     const row_t *x = m->rows + b->start * h;
-    const uint16_t *w = m->w13[b->expert];
-    gemm_cols(x, b->rows, h, w, c0, c1, gate, width);
-    gemm_cols(x, b->rows, h, w, inter + c0, inter + c1, up, width);
+    const uint16_t *w = m->w13[b->expert], *bias = m->b13 ? m->b13 + b->expert * 2 * inter : 0;
+    gemm_cols(x, b->rows, h, w, bias, c0, c1, gate, width);
+    gemm_cols(x, b->rows, h, w, bias, inter + c0, inter + c1, up, width);
+    float alpha = m->alpha, limit = m->limit;
     for (int64_t r = 0; r < b->rows; r++) {
         const uint16_t *g = gate + r * width, *u = up + r * width;
         row_t *a = m->act + (b->start + r) * inter + c0;
+        if (m->activation == 1) {
 #pragma omp simd
-        for (int64_t i = 0; i < width; i++)
-            a[i] = to_row(round_bf16(silu(bf16_to_f32(g[i]))) * bf16_to_f32(u[i]));
+            for (int64_t i = 0; i < width; i++)
+                a[i] = to_row(swigluoai(bf16_to_f32(g[i]), bf16_to_f32(u[i]), alpha, limit));
+        } else {
+#pragma omp simd
+            for (int64_t i = 0; i < width; i++)
+                a[i] = to_row(round_bf16(silu(bf16_to_f32(g[i]))) * bf16_to_f32(u[i]));
+        }
     }
 }
 
 static void down(const Moe *m, const Block *b, int64_t chunk) {
     int64_t h = m->hidden, c0 = chunk * ITEM_COLS, c1 = min64(c0 + ITEM_COLS, h);
-    gemm_cols(m->act + b->start * m->inter, b->rows, m->inter, m->w2[b->expert], c0, c1,
-              m->expert_out + b->start * h + c0, h);
+    gemm_cols(m->act + b->start * m->inter, b->rows, m->inter, m->w2[b->expert],
+              m->b2 ? m->b2 + b->expert * h : 0, c0, c1, m->expert_out + b->start * h + c0, h);
 }
 
 /* out[t] = sum over t's pairs in sorted order of weight * expert_out, in fp32 from zero. */
@@ -241,13 +260,17 @@ int fused_moe_tile_cols(void) { return TILE_COLS; }
 
 /* out [T, H] bf16 = the experts' weighted sum (module doc) for x [T, H] bf16, topk_weights
  * [T, k] fp32, topk_ids [T, k] (int32 where ids_int32, else int64), all contiguous; w13 / w2
- * E pointers to packed weights. 0, or -1 if out of memory (nothing written). */
+ * E pointers to packed weights; b13 / b2 their biases (contiguous bf16, or NULL); activation
+ * 0 (SiLU * up) or 1 (swigluoai with alpha, limit). 0, or -1 if out of memory (nothing
+ * written). */
 int fused_moe_bf16(const uint16_t *x, const float *topk_weights, const void *topk_ids,
                    int ids_int32, const uint16_t *const *w13, const uint16_t *const *w2,
-                   uint16_t *out, int64_t num_tokens, int64_t top_k, int64_t num_experts,
-                   int64_t expert_start, int64_t hidden, int64_t inter) {
+                   const uint16_t *b13, const uint16_t *b2, int activation, float alpha,
+                   float limit, uint16_t *out, int64_t num_tokens, int64_t top_k,
+                   int64_t num_experts, int64_t expert_start, int64_t hidden, int64_t inter) {
     int64_t n = num_tokens * top_k, max_blocks = num_experts + n / ROW_BLOCK + 1;
-    Moe m = {.x = x, .weights = topk_weights, .w13 = w13, .w2 = w2, .out = out,
+    Moe m = {.x = x, .weights = topk_weights, .w13 = w13, .w2 = w2, .b13 = b13, .b2 = b2,
+             .activation = activation, .alpha = alpha, .limit = limit, .out = out,
              .num_tokens = num_tokens, .top_k = top_k, .hidden = hidden, .inter = inter};
     void *buffers[] = {
         m.pairs = malloc(sizeof(int64_t) * (size_t)(n + 1)),
@@ -288,9 +311,11 @@ int fused_moe_tile_cols(void) { return 0; }
 
 int fused_moe_bf16(const uint16_t *x, const float *topk_weights, const void *topk_ids,
                    int ids_int32, const uint16_t *const *w13, const uint16_t *const *w2,
-                   uint16_t *out, int64_t num_tokens, int64_t top_k, int64_t num_experts,
-                   int64_t expert_start, int64_t hidden, int64_t inter) {
+                   const uint16_t *b13, const uint16_t *b2, int activation, float alpha,
+                   float limit, uint16_t *out, int64_t num_tokens, int64_t top_k,
+                   int64_t num_experts, int64_t expert_start, int64_t hidden, int64_t inter) {
     (void)x, (void)topk_weights, (void)topk_ids, (void)ids_int32, (void)w13, (void)w2;
+    (void)b13, (void)b2, (void)activation, (void)alpha, (void)limit;
     (void)out, (void)num_tokens, (void)top_k, (void)num_experts, (void)expert_start;
     (void)hidden, (void)inter;
     return -1;

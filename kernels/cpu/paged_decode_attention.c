@@ -22,7 +22,9 @@
  * both off): a sliding window of W keys starts each query's walk at its first visible key
  * (len - W: the keys before it are never read, their blocks never touched), and a soft cap c
  * turns each score s (scaled) into c * tanh(s / c) before the softmax. Every path takes both,
- * and with both off computes what it did before they were added.
+ * and with both off computes what it did before they were added. Attention sinks
+ * (`paged_decode_attention_sinks`: gpt-oss; NULL = none) give each query head one more logit
+ * in its softmax's denominator, with no value (`exp_shifted_sink`).
  *
  * Layouts (element strides; the Python wrapper checks them):
  *   q        [num_seqs, num_heads, head_dim]   token stride q_stride, head stride head_dim
@@ -141,8 +143,8 @@ static inline __attribute__((always_inline)) void attend_one(const char *q, cons
                        const int32_t *table, int64_t len, int64_t num_heads, int64_t group,
                        int64_t head_dim, int64_t block_size, int64_t num_kv_heads, int64_t elem,
                        int dtype, float scale, int64_t window, float soft_cap,
-                       int64_t score_stride, float *qf, float *row, float *scores, float *acc,
-                       char *out) {
+                       const float *sinks, int64_t score_stride, float *qf, float *row,
+                       float *scores, float *acc, char *out) {
     int64_t kv_dim = num_kv_heads * head_dim, token_bytes = kv_dim * elem;
     int64_t start = window_start(len, window);
     len -= start;  /* from here on, tokens count from the window's first */
@@ -186,7 +188,8 @@ static inline __attribute__((always_inline)) void attend_one(const char *q, cons
     for (int64_t h = 0; h < num_heads; h++) {
         float *s = scores + h * score_stride;
         if (soft_cap > 0.0f) soft_cap_scores(s, len, soft_cap);
-        float sum = exp_shifted(s, len, SCORE_TOKENS);  /* the tail gets weight 0 */
+        float sink = sinks ? sinks[h] : -INFINITY;
+        float sum = exp_shifted_sink(s, len, SCORE_TOKENS, sink);  /* the tail gets weight 0 */
         for (int64_t t = 0; t < len; t++) s[t] /= sum;
     }
     memset(acc, 0, (size_t)(num_heads * head_dim) * sizeof(float));
@@ -222,14 +225,15 @@ static inline __attribute__((always_inline)) void attend_one(const char *q, cons
     store_row(acc, dtype, num_heads * head_dim, 1.0f, out);
 }
 
-/* Every query's attention; `window` keys (0: all) and scores capped at `soft_cap` (0: not). */
-int paged_decode_attention_variant(const void *q, int64_t q_stride, const void *k_cache,
-                                   const void *v_cache, const int32_t *block_tables,
-                                   int64_t table_stride, const int32_t *context_lens,
-                                   void *out, int64_t num_seqs, int64_t num_heads,
-                                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                   int64_t max_context, int dtype, float scale, int64_t window,
-                                   float soft_cap) {
+/* Every query's attention; `window` keys (0: all), scores capped at `soft_cap` (0: not),
+ * `sinks` [num_heads] fp32 each head's sink logit (NULL: none). */
+int paged_decode_attention_sinks(const void *q, int64_t q_stride, const void *k_cache,
+                                 const void *v_cache, const int32_t *block_tables,
+                                 int64_t table_stride, const int32_t *context_lens, void *out,
+                                 int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                 int64_t head_dim, int64_t block_size, int64_t max_context,
+                                 int dtype, float scale, int64_t window, float soft_cap,
+                                 const float *sinks) {
     int64_t group = num_heads / num_kv_heads, elem = dtype == 1 ? 2 : 4;
     int64_t q_dim = num_heads * head_dim, kv_dim = num_kv_heads * head_dim;
     int failed = 0;
@@ -238,7 +242,7 @@ int paged_decode_attention_variant(const void *q, int64_t q_stride, const void *
         group <= MAX_GROUP)
         return attend_bf16(q, q_stride, k_cache, v_cache, block_tables, table_stride,
                            context_lens, out, num_seqs, num_heads, num_kv_heads, head_dim,
-                           block_size, max_context, scale, window, soft_cap);
+                           block_size, max_context, scale, window, soft_cap, sinks);
 #endif
 #pragma omp parallel
     {
@@ -260,7 +264,7 @@ int paged_decode_attention_variant(const void *q, int64_t q_stride, const void *
 #define ATTEND(HEAD_DIM)                                                                      \
     attend_one(qs, (const char *)k_cache, (const char *)v_cache, table, context_lens[s],      \
                num_heads, group, HEAD_DIM, block_size, num_kv_heads, elem, dtype, scale,      \
-               window, soft_cap, max_context + SCORE_TOKENS, qf, row, scores, acc, os)
+               window, soft_cap, sinks, max_context + SCORE_TOKENS, qf, row, scores, acc, os)
             if (head_dim == 64)
                 ATTEND(64);
             else if (head_dim == 128)
@@ -277,7 +281,21 @@ int paged_decode_attention_variant(const void *q, int64_t q_stride, const void *
     return failed ? -1 : 0;
 }
 
-/* Full causal attention, uncapped: the entry decoder_layer.c calls through its pointer. */
+/* A window and a soft cap, no sinks: the entry decoder_layer.c calls through its pointer. */
+int paged_decode_attention_variant(const void *q, int64_t q_stride, const void *k_cache,
+                                   const void *v_cache, const int32_t *block_tables,
+                                   int64_t table_stride, const int32_t *context_lens,
+                                   void *out, int64_t num_seqs, int64_t num_heads,
+                                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                   int64_t max_context, int dtype, float scale, int64_t window,
+                                   float soft_cap) {
+    return paged_decode_attention_sinks(q, q_stride, k_cache, v_cache, block_tables,
+                                        table_stride, context_lens, out, num_seqs, num_heads,
+                                        num_kv_heads, head_dim, block_size, max_context, dtype,
+                                        scale, window, soft_cap, NULL);
+}
+
+/* Full causal attention, uncapped. */
 int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
                            const void *v_cache, const int32_t *block_tables,
                            int64_t table_stride, const int32_t *context_lens, void *out,

@@ -18,6 +18,11 @@ Numerics: each expert's GEMMs run in x's dtype (torch's fp32 accumulation inside
 rounded to x's dtype, SiLU * up in x's dtype); the routing weight multiplies in fp32 and the k
 slots are summed in fp32, rounded to x's dtype once.
 
+gpt-oss's experts (`ExpertVariant`) add biases, to each expert's gate_up output (`w13_bias`
+[E, 2 * I], gate then up) before the activation and to its down output (`w2_bias` [E, H])
+before the routing weight multiplies (inside the GEMMs here: F.linear's bias), and their own
+activation, "swigluoai" (`swigluoai_and_mul_ref`: fp32, rounded once) in place of SiLU * up.
+
 Routing without a per-token loop: `sort_by_expert` sorts the (token, slot) pairs by expert,
 then one GEMM pair per expert that received tokens (`run_experts`, which the CPU backend
 shares with its own per-expert kernels). `moe_align` is the same sort padded per expert to a
@@ -28,7 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -37,12 +42,18 @@ from pdserve.kernels.checks import FLOAT_DTYPES, check_dtype, check_shape
 from pdserve.kernels.quant_weights import QuantizedWeight
 from pdserve.kernels.reference.quant_linear import quant_linear_ref
 from pdserve.kernels.reference.silu_and_mul import silu_and_mul_ref
+from pdserve.kernels.reference.swigluoai_and_mul import (
+    SWIGLU_ALPHA,
+    SWIGLU_LIMIT,
+    swigluoai_and_mul_ref,
+)
 
 logger = logging.getLogger(__name__)
 
 ExpertWeights = torch.Tensor | Sequence[QuantizedWeight]  # [E, out, in], or E of [out, in]
 ExpertMlp = Callable[[int, torch.Tensor], torch.Tensor]  # (local expert, rows [n, H]) -> [n, H]
 ID_DTYPES = (torch.int32, torch.int64)
+ACTIVATIONS = ("silu", "swigluoai")  # an expert's gated activation: SwiGLU's, gpt-oss's
 
 
 def expert_shapes(w13: ExpertWeights, w2: ExpertWeights) -> tuple[int, int, int]:
@@ -120,8 +131,59 @@ def run_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     return out.to(x.dtype)
 
 
-def _linear(x: torch.Tensor, w: ExpertWeights, e: int) -> torch.Tensor:
-    return quant_linear_ref(x, w[e]) if isinstance(w, Sequence) else F.linear(x, w[e])
+def _linear(x: torch.Tensor, w: ExpertWeights, e: int, bias: torch.Tensor | None
+            ) -> torch.Tensor:
+    return quant_linear_ref(x, w[e], bias) if isinstance(w, Sequence) else F.linear(x, w[e], bias)
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertVariant:
+    """What a MoE layer's experts add to plain SwiGLU experts (the defaults: nothing): gpt-oss's
+    biases and activation (module doc). Validated on construction; `checked` fits the biases to
+    the experts' shapes and the activations' dtype."""
+
+    w13_bias: torch.Tensor | None = None  # [E, 2 * I]: gate, then up
+    w2_bias: torch.Tensor | None = None  # [E, H]
+    activation: str = "silu"  # one of ACTIVATIONS
+    swiglu_alpha: float = SWIGLU_ALPHA  # swigluoai only
+    swiglu_limit: float = SWIGLU_LIMIT  # swigluoai only
+
+    def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            value = getattr(self, name)
+            if not 0.0 < value < float("inf"):
+                raise ValueError(f"{name} must be a finite float > 0, got {value!r}")
+
+    def checked(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype
+                ) -> ExpertVariant:
+        """The same, its biases checked against (E, H, I) and contiguous in `dtype`."""
+        biases = []
+        for name, shape in (("w13_bias", (num_experts, 2 * inter)),
+                            ("w2_bias", (num_experts, hidden))):
+            bias = getattr(self, name)
+            if bias is not None:
+                check_shape(name, bias, shape)
+                check_dtype(name, bias, FLOAT_DTYPES)
+                bias = bias.to(dtype).contiguous()
+            biases.append(bias)
+        return replace(self, w13_bias=biases[0], w2_bias=biases[1])
+
+    def act_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [n, 2 * I] -> [n, I]
+        """The activation in plain torch."""
+        if self.activation == "silu":
+            return silu_and_mul_ref(x)
+        return swigluoai_and_mul_ref(x, self.swiglu_alpha, self.swiglu_limit)
+
+    def biases(self, e: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Local expert e's (gate_up [2 * I], down [H]) biases, or None each."""
+        return (None if self.w13_bias is None else self.w13_bias[e],
+                None if self.w2_bias is None else self.w2_bias[e])
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(b for b in (self.w13_bias, self.w2_bias) if b is not None)
 
 
 def fused_moe_ref(
@@ -132,17 +194,32 @@ def fused_moe_ref(
     topk_ids: torch.Tensor,  # [T, k] int64 (or int32), global expert ids
     *,
     expert_start: int = 0,
+    w13_bias: torch.Tensor | None = None,  # [E, 2 * I]: gate, then up
+    w2_bias: torch.Tensor | None = None,  # [E, H]
+    activation: str = "silu",  # or "swigluoai" (gpt-oss)
+    swiglu_alpha: float = SWIGLU_ALPHA,
+    swiglu_limit: float = SWIGLU_LIMIT,
 ) -> torch.Tensor:  # [T, H], x.dtype
     """The experts' weighted sum for each token (module doc); ids outside
     [expert_start, expert_start + E) contribute nothing."""
-    num_experts, hidden, _ = expert_shapes(w13, w2)
+    variant = ExpertVariant(w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit)
+    return experts_ref(x, w13, w2, topk_weights, topk_ids, expert_start, variant)
+
+
+def experts_ref(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights,
+                topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_start: int,
+                variant: ExpertVariant) -> torch.Tensor:  # [T, H], x.dtype
+    """`fused_moe_ref` with its variant as one value."""
+    num_experts, hidden, inter = expert_shapes(w13, w2)
     check_routing(x, topk_weights, topk_ids, hidden)
     if isinstance(w13, torch.Tensor) and (w13.dtype != x.dtype or w2.dtype != x.dtype):
         raise ValueError(f"w13 and w2 must have x's dtype {x.dtype}, got {w13.dtype} and "
                          f"{w2.dtype}; prepare them with KernelBackend.prepare_experts")
+    variant = variant.checked(num_experts, hidden, inter, x.dtype)
 
     def mlp(e: int, rows: torch.Tensor) -> torch.Tensor:
-        return _linear(silu_and_mul_ref(_linear(rows, w13, e)), w2, e)
+        b13, b2 = variant.biases(e)
+        return _linear(variant.act_and_mul(_linear(rows, w13, e, b13)), w2, e, b2)
 
     return run_experts(x, topk_weights, topk_ids, num_experts, expert_start, mlp)
 
@@ -193,40 +270,47 @@ class ExpertsRef:
 
     w13: ExpertWeights
     w2: ExpertWeights
+    variant: ExpertVariant = field(default_factory=ExpertVariant)  # biases in w13's dtype
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                  expert_start: int = 0) -> torch.Tensor:
-        return fused_moe_ref(x, self.w13, self.w2, topk_weights, topk_ids,
-                             expert_start=expert_start)
+        return experts_ref(x, self.w13, self.w2, topk_weights, topk_ids, expert_start,
+                           self.variant)
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return expert_tensors(self.w13) + expert_tensors(self.w2)
+        return expert_tensors(self.w13) + expert_tensors(self.w2) + self.variant.tensors
 
 
 @dataclass(frozen=True)
 class LinearExperts:
-    """Experts as 2E prepared linears (a backend's `LinearKernel`s, called as `kernel(x)`), run
-    one expert at a time on its sorted rows (`run_experts`) with `silu_and_mul` between: the
-    CPU backend's experts, and quantized ones on the quantized linear kernels."""
+    """Experts as 2E prepared linears (a backend's `LinearKernel`s, called as `kernel(x, bias)`),
+    run one expert at a time on its sorted rows (`run_experts`) with the gated activation
+    `act_and_mul` between: the CPU backend's experts, and quantized ones on the quantized linear
+    kernels. Biases ([E, 2 * I], [E, H] in the activations' dtype, or None) go to the linears."""
 
-    w13: tuple[Callable[[torch.Tensor], torch.Tensor], ...]  # E of [2 * I, H]
-    w2: tuple[Callable[[torch.Tensor], torch.Tensor], ...]  # E of [H, I]
+    w13: tuple[Callable[..., torch.Tensor], ...]  # E of [2 * I, H]
+    w2: tuple[Callable[..., torch.Tensor], ...]  # E of [H, I]
     hidden_size: int
-    silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul_ref
+    act_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul_ref  # [n, 2I] -> [n, I]
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                  expert_start: int = 0) -> torch.Tensor:  # [T, H], x.dtype
         check_routing(x, topk_weights, topk_ids, self.hidden_size)
 
         def mlp(e: int, rows: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
-            return self.w2[e](self.silu_and_mul(self.w13[e](rows)))
+            b13 = None if self.w13_bias is None else self.w13_bias[e]
+            b2 = None if self.w2_bias is None else self.w2_bias[e]
+            return self.w2[e](self.act_and_mul(self.w13[e](rows, b13)), b2)
 
         return run_experts(x, topk_weights, topk_ids, len(self.w13), expert_start, mlp)
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return tuple(t for k in (*self.w13, *self.w2) for t in k.tensors)
+        biases = tuple(b for b in (self.w13_bias, self.w2_bias) if b is not None)
+        return tuple(t for k in (*self.w13, *self.w2) for t in k.tensors) + biases
 
 
 def expert_tensors(w: ExpertWeights) -> tuple[torch.Tensor, ...]:

@@ -24,13 +24,19 @@ Per-layer variants (keyword-only, None = off, as for Llama): `sliding_window` W 
 position p see keys p - W < j <= p (Hugging Face's sliding-window causal mask, Mistral, Gemma 2
 and 3's local layers); `soft_cap` c scores c * tanh(q.k * scale / c) before the mask and the
 softmax (Gemma 2's `attn_logit_softcapping`). SDPA has no soft cap, so with one the scores are
-computed in fp32 by hand; without, the path is SDPA as before.
+computed in fp32 by hand; without, the path is SDPA as before. `sinks` (gpt-oss's attention
+sinks: fp32 [num_heads], one learned logit per query head of the call) join each softmax's
+denominator as one more logit, unscaled beside the scaled, capped and masked scores, with no
+value: out = sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m) + e^(sink - m)), m the max of both
+(transformers' `eager_attention_forward` for GptOss); also by hand in fp32.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.kernels.checks import check_device, check_dtype, check_shape
 
 # Gathered K+V per decode chunk: near one core's L2 (2 MiB on the dev machines), measured best.
 CHUNK_BYTES = 3 << 20
@@ -103,6 +109,18 @@ def check_attention_variant(sliding_window: int | None, soft_cap: float | None) 
         raise ValueError(f"soft_cap must be None or a finite float > 0, got {soft_cap!r}")
 
 
+def check_sinks(sinks: torch.Tensor | None, num_heads: int, device: torch.device) -> None:
+    """ValueError unless `sinks` is None or fp32 [num_heads] (the call's query heads), dense,
+    on the query's device."""
+    if sinks is None:
+        return
+    check_shape("sinks", sinks, (num_heads,))
+    check_dtype("sinks", sinks, (torch.float32,))
+    check_device(device, sinks=sinks)
+    if sinks.stride(0) != 1:
+        raise ValueError("sinks must be contiguous; pass sinks.contiguous()")
+
+
 def attend(
     q: torch.Tensor,  # [..., num_queries, head_dim]
     k: torch.Tensor,  # [..., num_keys, head_dim]
@@ -110,15 +128,23 @@ def attend(
     mask: torch.Tensor | None,  # bool, broadcast to [..., num_queries, num_keys]
     scale: float,
     soft_cap: float | None,
+    sinks: torch.Tensor | None = None,  # fp32, broadcast to [..., num_queries, 1]
 ) -> torch.Tensor:  # [..., num_queries, head_dim] in q's dtype
-    """SDPA, or with a soft cap the same by hand: fp32 scores, capped, masked, softmax."""
-    if soft_cap is None:
+    """SDPA, or with a soft cap or sinks the same by hand: fp32 scores, capped, masked,
+    softmax (each row's sink one more logit of its denominator)."""
+    if soft_cap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+    if sinks is None:
+        return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+    top = torch.maximum(scores.amax(-1, keepdim=True), sinks)  # [..., num_queries, 1]
+    weights = torch.exp(scores - top)
+    weights = weights / (weights.sum(-1, keepdim=True) + torch.exp(sinks - top))
+    return torch.matmul(weights, v.float()).to(q.dtype)
 
 
 def compute_dtype(q: torch.Tensor, cache: torch.Tensor) -> torch.dtype:
@@ -166,9 +192,11 @@ def decode_attention_torch(
     *,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     check_attention_variant(sliding_window, soft_cap)
     num_seqs, num_heads, head_dim = q.shape
+    check_sinks(sinks, num_heads, q.device)
     if num_seqs == 0:
         return torch.empty_like(q)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -182,6 +210,7 @@ def decode_attention_torch(
     table = block_tables if in_order else block_tables.index_select(0, order)
     table = table[:, : chunks[0][2]].long()
     qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).to(dtype)
+    row_sinks = None if sinks is None else sinks.view(num_kv_heads, -1, 1)  # qg's rows
     qg = qg if in_order else qg.index_select(0, order)
     out = torch.empty_like(qg)
     scratch_len = max((last - first) * nb for first, last, nb in chunks) * k_cache[0].numel()
@@ -194,7 +223,7 @@ def decode_attention_torch(
         v = gather_blocks(v_cache, v_scale, ids, dtype, v_buf, raw).view(shape)
         mask = _decode_mask(lens[first:last], lens_list[first:last], shape[1], sliding_window)
         out[first:last] = attend(qg[first:last], k.transpose(1, 2), v.transpose(1, 2), mask,
-                                 scale, soft_cap)
+                                 scale, soft_cap, row_sinks)
     if not in_order:
         out = torch.empty_like(out).index_copy_(0, order, out)
     return out.view(num_seqs, num_heads, head_dim).to(q.dtype)
@@ -214,9 +243,11 @@ def prefill_attention_torch(
     *,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     check_attention_variant(sliding_window, soft_cap)
     num_tokens, num_heads, head_dim = q.shape
+    check_sinks(sinks, num_heads, q.device)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     num_seqs = context_lens.shape[0]
@@ -251,7 +282,11 @@ def prefill_attention_torch(
     mask = mask[:, None, None].expand(num_seqs, 1, group, max_query_len, k.shape[2])
     mask = mask.reshape(num_seqs, 1, group * max_query_len, k.shape[2])
 
-    out = attend(qg, k, v, mask, scale, soft_cap)
+    row_sinks = None  # [Hkv, group * max_q, 1]: each of qg's rows its head's sink
+    if sinks is not None:
+        row_sinks = sinks.view(num_kv_heads, group, 1).expand(-1, -1, max_query_len)
+        row_sinks = row_sinks.reshape(num_kv_heads, group * max_query_len, 1)
+    out = attend(qg, k, v, mask, scale, soft_cap, row_sinks)
     out = out.view(num_seqs, num_kv_heads, group, max_query_len, head_dim).permute(0, 3, 1, 2, 4)
     out = out.reshape(num_seqs, max_query_len, num_heads, head_dim)
     return out[seq_of_token, row_of_token].to(q.dtype)
@@ -268,9 +303,10 @@ def paged_decode_attention_ref(
     *,
     sliding_window: int | None = None,  # keys p - W < j <= p only; None: all j <= p
     soft_cap: float | None = None,  # scores c * tanh(s / c); None: uncapped
+    sinks: torch.Tensor | None = None,  # fp32 [num_heads]: a logit per head, no value
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     return decode_attention_torch(q, k_cache, v_cache, None, block_tables, context_lens, scale,
-                                  sliding_window=sliding_window, soft_cap=soft_cap)
+                                  sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
 
 
 def paged_decode_attention_int8_ref(
@@ -286,10 +322,11 @@ def paged_decode_attention_int8_ref(
     *,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     return decode_attention_torch(
         q, k_cache, v_cache, (k_scale, v_scale), block_tables, context_lens, scale,
-        sliding_window=sliding_window, soft_cap=soft_cap,
+        sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
     )
 
 
@@ -306,10 +343,12 @@ def paged_prefill_attention_ref(
     *,
     sliding_window: int | None = None,  # keys p - W < j <= p only; None: all j <= p
     soft_cap: float | None = None,  # scores c * tanh(s / c); None: uncapped
+    sinks: torch.Tensor | None = None,  # fp32 [num_heads]: a logit per head, no value
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     return prefill_attention_torch(q, k_cache, v_cache, None, block_tables, query_start_loc,
                                    context_lens, scale, max_query_len, max_context_len,
-                                   sliding_window=sliding_window, soft_cap=soft_cap)
+                                   sliding_window=sliding_window, soft_cap=soft_cap,
+                                   sinks=sinks)
 
 
 def paged_prefill_attention_int8_ref(
@@ -327,8 +366,9 @@ def paged_prefill_attention_int8_ref(
     *,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     return prefill_attention_torch(q, k_cache, v_cache, (k_scale, v_scale), block_tables,
                                    query_start_loc, context_lens, scale, max_query_len,
                                    max_context_len, sliding_window=sliding_window,
-                                   soft_cap=soft_cap)
+                                   soft_cap=soft_cap, sinks=sinks)

@@ -15,9 +15,16 @@ from pdserve.kernels.backend import (
     Weight,
 )
 from pdserve.kernels.quant_weights import QuantizedWeight
-from pdserve.kernels.reference.fused_moe import cast_experts, expert_shapes
+from pdserve.kernels.reference.fused_moe import ExpertVariant, cast_experts, expert_shapes
 from pdserve.kernels.reference.linear import DenseLinear, QuantLinearRef
+from pdserve.kernels.reference.swigluoai_and_mul import SWIGLU_ALPHA, SWIGLU_LIMIT
 from pdserve.kernels.triton.fused_moe import TritonExperts, prepare_quantized_experts
+from pdserve.kernels.triton.latent_attention import (
+    gather_latent,
+    paged_latent_decode_attention,
+    prefill_attention,
+    store_latent,
+)
 from pdserve.kernels.triton.launch import interpreting
 from pdserve.kernels.triton.lora import lora_expand, lora_shrink
 from pdserve.kernels.triton.pack_blocks import pack_blocks, unpack_blocks
@@ -51,6 +58,10 @@ class TritonBackend(KernelBackend):
     store_kv_int8 = staticmethod(store_kv_int8)
     paged_decode_attention_int8 = staticmethod(paged_decode_attention_int8)
     paged_prefill_attention_int8 = staticmethod(paged_prefill_attention_int8)
+    store_latent = staticmethod(store_latent)
+    gather_latent = staticmethod(gather_latent)
+    paged_latent_decode_attention = staticmethod(paged_latent_decode_attention)
+    prefill_attention = staticmethod(prefill_attention)
     pack_blocks = staticmethod(pack_blocks)
     unpack_blocks = staticmethod(unpack_blocks)
     apply_token_bitmask = staticmethod(apply_token_bitmask)
@@ -68,14 +79,21 @@ class TritonBackend(KernelBackend):
                         ) -> Iterator[LinearKernel]:
         return (_prepare(w) for w in weights)
 
-    def prepare_experts(self, w13: ExpertWeights, w2: ExpertWeights, dtype: torch.dtype
-                        ) -> ExpertsKernel:
+    def prepare_experts(
+        self, w13: ExpertWeights, w2: ExpertWeights, dtype: torch.dtype, *,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
+        activation: str = "silu",
+        swiglu_alpha: float = SWIGLU_ALPHA,
+        swiglu_limit: float = SWIGLU_LIMIT,
+    ) -> ExpertsKernel:
         """Dense experts for the grouped GEMMs of `fused_moe`; quantized ones one expert at a
-        time on the quantized linear kernel."""
-        expert_shapes(w13, w2)
+        time on the quantized linear kernel; gpt-oss's biases and activation in both."""
+        variant = ExpertVariant(w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit)
+        variant = variant.checked(*expert_shapes(w13, w2), dtype)
         if isinstance(w13, torch.Tensor):
-            return TritonExperts(cast_experts(w13, dtype), cast_experts(w2, dtype))
-        return prepare_quantized_experts(w13, w2)
+            return TritonExperts(cast_experts(w13, dtype), cast_experts(w2, dtype), variant)
+        return prepare_quantized_experts(w13, w2, variant)
 
 
 def _prepare(w: Weight) -> LinearKernel:

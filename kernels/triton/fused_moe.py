@@ -17,15 +17,20 @@ Numerics against the reference: the same GEMMs with fp32 accumulation, but gate 
 rounded to x's dtype before SiLU * up, and each slot's weighted output is rounded to x's dtype
 before the sum over slots (the reference sums in fp32): in bf16, a few bf16 steps apart.
 
+gpt-oss's experts (`ExpertVariant`, constexpr flags: off, the kernel is the one without them):
+biases (`HAS_BIAS`) added to the fp32 sums, gate's and up's before the activation, down's
+before the routing weight; the "swigluoai" activation (`ACTIVATION` 1) in fp32 in place of
+SiLU * up.
+
 Quantized experts (lists of `QuantizedWeight`) run one expert at a time on the quantized linear
 kernel (`kernels.triton.quant_linear`, `prepare_quantized_experts`): one host sync per layer for the
-experts' pair counts.
+experts' pair counts; biases go to that kernel, the activation runs in torch between.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -39,6 +44,7 @@ from pdserve.kernels.checks import (
 )
 from pdserve.kernels.quant_weights import QuantizedWeight
 from pdserve.kernels.reference.fused_moe import (
+    ExpertVariant,
     LinearExperts,
     check_routing,
     expert_shapes,
@@ -46,6 +52,7 @@ from pdserve.kernels.reference.fused_moe import (
     moe_align,
 )
 from pdserve.kernels.reference.linear import QuantLinearRef
+from pdserve.kernels.reference.swigluoai_and_mul import SWIGLU_ALPHA, SWIGLU_LIMIT
 from pdserve.kernels.triton.launch import dot_dtype, dot_precision, new_output, pow2
 from pdserve.kernels.triton.quant_linear import QuantLinear, supported
 
@@ -55,12 +62,15 @@ def _moe_gemm_kernel(
     c_ptr,  # [T * k, N]: row = pair
     a_ptr,  # GATED: x [T, K]; else act [T * k, K]; row = pair // A_ROW_DIV
     b_ptr,  # [E, N, K]; GATED: w13 [E, 2 * N, K], gate rows then up rows
+    bias_ptr,  # HAS_BIAS: [E, N]; GATED: [E, 2 * N], gate then up
     weights_ptr,  # [T * k] fp32 routing weights (WEIGHTED only)
     sorted_ids_ptr,  # [num_blocks * BLOCK_M] pair, num_pairs = padding
     block_experts_ptr,  # [num_blocks] local expert, -1 = unused block
     num_pairs, n, k,
-    stride_a, stride_c, stride_be, stride_bn,
+    stride_a, stride_c, stride_be, stride_bn, stride_bias,
+    swiglu_alpha, swiglu_limit,  # ACTIVATION 1 only
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,  # 0: SiLU * up, 1: swigluoai
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -85,8 +95,18 @@ def _moe_gemm_kernel(
         if GATED:
             b_up = tl.load(b_cols + n * stride_bn + ks[:, None], mask=b_mask, other=0.0)
             up += tl.dot(a, b_up.to(tl.float32).to(DOT), input_precision=PRECISION)
+    if HAS_BIAS:  # the expert's bias row: its gate (or down) columns, then its up columns
+        bias_row = bias_ptr + expert.to(tl.int64) * stride_bias + cols
+        acc += tl.load(bias_row, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            up += tl.load(bias_row + n, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * up  # silu(gate) * up
+        if ACTIVATION == 1:  # swigluoai: (clamp(up) + 1) * g * sigmoid(alpha g), g = min(gate, L)
+            gate = tl.minimum(acc, swiglu_limit)
+            up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
+            acc = (up + 1.0) * (gate / (1.0 + tl.exp(-swiglu_alpha * gate)))
+        else:
+            acc = acc / (1.0 + tl.exp(-acc)) * up  # silu(gate) * up
     if WEIGHTED:
         acc *= tl.load(weights_ptr + pairs, mask=row_mask, other=0.0)[:, None]
     dst = c_ptr + pairs[:, None] * stride_c + cols[None, :]
@@ -115,16 +135,19 @@ def _tiles(num_pairs: int, num_experts: int, n: int, k: int) -> tuple[int, int, 
     return block_m, min(pow2(n, 16), 64), min(pow2(k, 16), 64)
 
 
-def _grouped_gemm(c, a, b, weights, align, num_pairs, top_k, gated: bool) -> None:
+def _grouped_gemm(c, a, b, bias, weights, align, num_pairs, top_k, gated: bool,
+                  variant: ExpertVariant) -> None:
     n, k = c.shape[1], a.shape[1]
     _, block_n, block_k = _tiles(num_pairs, b.shape[0], n, k)
     dot = dot_dtype(a.dtype, a.dtype)
     grid = (align.block_experts.numel(), triton.cdiv(n, block_n))
     _moe_gemm_kernel[grid](
-        c, a, b, weights, align.sorted_ids, align.block_experts,
+        c, a, b, b if bias is None else bias, weights, align.sorted_ids, align.block_experts,
         num_pairs, n, k,
-        a.stride(0), c.stride(0), b.stride(0), b.stride(1),
+        a.stride(0), c.stride(0), b.stride(0), b.stride(1), 0 if bias is None else bias.stride(0),
+        variant.swiglu_alpha, variant.swiglu_limit,
         A_ROW_DIV=top_k if gated else 1, GATED=gated, WEIGHTED=not gated,
+        HAS_BIAS=bias is not None, ACTIVATION=int(variant.activation == "swigluoai"),
         BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT=dot, PRECISION=dot_precision(dot),
     )
@@ -138,9 +161,24 @@ def fused_moe(
     topk_ids: torch.Tensor,  # [T, k] int64 (or int32), global expert ids
     *,
     expert_start: int = 0,
+    w13_bias: torch.Tensor | None = None,  # [E, 2 * I]: gate, then up
+    w2_bias: torch.Tensor | None = None,  # [E, H]
+    activation: str = "silu",  # or "swigluoai" (gpt-oss)
+    swiglu_alpha: float = SWIGLU_ALPHA,
+    swiglu_limit: float = SWIGLU_LIMIT,
 ) -> torch.Tensor:  # [T, H], x.dtype
     """`fused_moe_ref` as two grouped GEMMs and a sum over the slots (module doc)."""
+    variant = ExpertVariant(w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit)
+    return _fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start, variant)
+
+
+def _fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start: int,
+               variant: ExpertVariant) -> torch.Tensor:
     _check_args(x, w13, w2, topk_weights, topk_ids)
+    variant = variant.checked(*expert_shapes(w13, w2), x.dtype)
+    check_device(x.device, **{name: b for name, b in
+                              (("w13_bias", variant.w13_bias), ("w2_bias", variant.w2_bias))
+                              if b is not None})
     num_tokens, top_k = topk_ids.shape
     num_experts, hidden, inter = w13.shape[0], w13.shape[2], w13.shape[1] // 2
     num_pairs = num_tokens * top_k
@@ -150,9 +188,11 @@ def fused_moe(
     align = moe_align(topk_ids, num_experts, block_m, expert_start)
     weights = topk_weights.reshape(-1).contiguous()  # [T * k]
     act = new_output((num_pairs, inter), x.dtype, x.device)  # [T * k, I]
-    _grouped_gemm(act, x, w13, weights, align, num_pairs, top_k, gated=True)
+    _grouped_gemm(act, x, w13, variant.w13_bias, weights, align, num_pairs, top_k, True,
+                  variant)
     per_slot = new_output((num_pairs, hidden), x.dtype, x.device)  # [T * k, H]
-    _grouped_gemm(per_slot, act, w2, weights, align, num_pairs, top_k, gated=False)
+    _grouped_gemm(per_slot, act, w2, variant.w2_bias, weights, align, num_pairs, top_k, False,
+                  variant)
     local = local_ids(topk_ids, num_experts, expert_start) != num_experts  # [T * k]
     per_slot = torch.where(local[:, None], per_slot, 0.0)  # other ranks' slots: never written
     return per_slot.view(num_tokens, top_k, hidden).sum(1)
@@ -160,25 +200,30 @@ def fused_moe(
 
 @dataclass(frozen=True)
 class TritonExperts:
-    """Dense experts as loaded (contiguous, in the activations' dtype), run by `fused_moe`."""
+    """Dense experts as loaded (contiguous, in the activations' dtype), run by `fused_moe`,
+    with their variant (biases in that dtype)."""
 
     w13: torch.Tensor  # [E, 2 * I, H]
     w2: torch.Tensor  # [E, H, I]
+    variant: ExpertVariant = field(default_factory=ExpertVariant)
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                  expert_start: int = 0) -> torch.Tensor:
-        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids,
-                         expert_start=expert_start)
+        return _fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, expert_start,
+                          self.variant)
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.w13, self.w2)
+        return (self.w13, self.w2) + self.variant.tensors
 
 
-def prepare_quantized_experts(w13: Sequence[QuantizedWeight], w2: Sequence[QuantizedWeight]
-                              ) -> LinearExperts:
+def prepare_quantized_experts(w13: Sequence[QuantizedWeight], w2: Sequence[QuantizedWeight],
+                              variant: ExpertVariant | None = None) -> LinearExperts:
     """Quantized experts one expert at a time on `quant_linear` (the torch reference where the
-    kernel does not take a weight's groups), SiLU * up in torch between."""
+    kernel does not take a weight's groups), with their biases (`variant`, checked, in the
+    activations' dtype); the activation in torch between."""
+    variant = variant or ExpertVariant()
     _, hidden, _ = expert_shapes(w13, w2)
     kernels = tuple(QuantLinear(w) if supported(w) else QuantLinearRef(w) for w in (*w13, *w2))
-    return LinearExperts(kernels[:len(w13)], kernels[len(w13):], hidden)
+    return LinearExperts(kernels[:len(w13)], kernels[len(w13):], hidden, variant.act_and_mul,
+                         variant.w13_bias, variant.w2_bias)

@@ -10,7 +10,9 @@ the probabilities (V), so the int8 values go to the dot unchanged.
 Per-layer variants, each a constexpr flag (off: the kernel is the one without them): a sliding
 window of W keys (`WINDOW`) moves the range the splits share to the last W keys, so keys and
 blocks before it are never read and the splits are sized for W; a soft cap c (`SOFT_CAP`)
-scores c * tanh(s / c) (`cap_scores`, shared with the prefill kernel).
+scores c * tanh(s / c) (`cap_scores`, shared with the prefill kernel); attention sinks
+(`SINKS`, gpt-oss: one logit per query head in the softmax's denominator, with no value) start
+split 0's running max and sum at (sink, 1), so the merge kernel weighs them in unchanged.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pdserve.kernels.checks import (
     check_last_contiguous,
     check_shape,
 )
-from pdserve.kernels.reference.paged_attention import check_attention_variant
+from pdserve.kernels.reference.paged_attention import check_attention_variant, check_sinks
 from pdserve.kernels.triton.launch import (
     dot_dtype,
     dot_precision,
@@ -62,6 +64,7 @@ def _paged_decode_attention_kernel(
     k_scale_ptr, v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] (int8 caches only)
     block_tables_ptr,  # [num_seqs, max_blocks]
     context_lens_ptr,  # [num_seqs]
+    sinks_ptr,  # fp32 [num_heads] (SINKS only)
     qk_scale, tokens_per_split,
     window,  # WINDOW: keys visible to the query (the last `window`)
     cap,  # SOFT_CAP: the cap times log2(e); qk_scale is then scale / cap
@@ -70,7 +73,7 @@ def _paged_decode_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     QUANT: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-    WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
+    WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
@@ -88,6 +91,10 @@ def _paged_decode_attention_kernel(
     q = q.to(tl.float32).to(DOT)
     m = tl.full([GROUP_PAD], -1e30, tl.float32)
     l_sum = tl.zeros([GROUP_PAD], tl.float32)
+    if SINKS:  # split 0 starts from the sink: its logit (in log2 units) with weight 1, no value
+        sink = tl.load(sinks_ptr + heads, mask=g < GROUP, other=0.0) * 1.4426950408889634
+        m = tl.where(split == 0, tl.maximum(sink, -1e30), m)  # a -inf sink: none
+        l_sum = tl.where(split == 0, 1.0, l_sum)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
@@ -171,7 +178,7 @@ def _check_decode_args(q, k_cache, v_cache, block_tables, context_lens, quantize
 
 
 def _launch(q, k_cache, v_cache, scales, block_tables, context_lens, scale, max_context_len,
-            num_splits, sliding_window, cap) -> torch.Tensor:
+            num_splits, sliding_window, cap, sinks) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = new_output(q.shape, q.dtype, q.device)
@@ -199,6 +206,7 @@ def _launch(q, k_cache, v_cache, scales, block_tables, context_lens, scale, max_
     dot = dot_dtype(k_cache.dtype, q.dtype)
     _paged_decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         acc, m, l_sum, q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
+        q if sinks is None else sinks,  # never read without sinks
         scale * LOG2E if cap is None else scale / cap, tokens_per_split,
         sliding_window or 0, 0.0 if cap is None else cap * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -207,7 +215,7 @@ def _launch(q, k_cache, v_cache, scales, block_tables, context_lens, scale, max_
         GROUP=num_heads // num_kv_heads, GROUP_PAD=pow2(num_heads // num_kv_heads, 16),
         HEAD_DIM=head_dim, DIM_PAD=pow2(head_dim, 16), BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
         QUANT=scales is not None, SPLIT=split, DOT=dot, PRECISION=dot_precision(dot),
-        WINDOW=sliding_window is not None, SOFT_CAP=cap is not None,
+        WINDOW=sliding_window is not None, SOFT_CAP=cap is not None, SINKS=sinks is not None,
     )
     if split:
         _paged_decode_merge_kernel[(num_seqs, num_heads)](
@@ -229,11 +237,13 @@ def paged_decode_attention(
     num_splits: int | None = None,  # None: enough to fill the GPU
     sliding_window: int | None = None,  # keys p - W < j <= p only; None: all j <= p
     soft_cap: float | None = None,  # scores c * tanh(s / c); None: uncapped
+    sinks: torch.Tensor | None = None,  # fp32 [num_heads]: a logit per head, no value
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     _check_decode_args(q, k_cache, v_cache, block_tables, context_lens, quantized=False)
     check_attention_variant(sliding_window, soft_cap)
+    check_sinks(sinks, q.shape[1], q.device)
     return _launch(q, k_cache, v_cache, None, block_tables, context_lens, scale,
-                   max_context_len, num_splits, sliding_window, soft_cap)
+                   max_context_len, num_splits, sliding_window, soft_cap, sinks)
 
 
 def paged_decode_attention_int8(
@@ -250,11 +260,13 @@ def paged_decode_attention_int8(
     num_splits: int | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     _check_decode_args(q, k_cache, v_cache, block_tables, context_lens, quantized=True)
     check_kv_scales(k_scale, v_scale, k_cache)
     check_attention_variant(sliding_window, soft_cap)
+    check_sinks(sinks, q.shape[1], q.device)
     return _launch(q, k_cache, v_cache, (k_scale, v_scale), block_tables, context_lens, scale,
-                   max_context_len, num_splits, sliding_window, soft_cap)
+                   max_context_len, num_splits, sliding_window, soft_cap, sinks)
 
 

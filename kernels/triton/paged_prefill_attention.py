@@ -11,7 +11,8 @@ position (causal), with an online softmax in fp32.
 Per-layer variants, constexpr flags as in the decode kernel: with a sliding window of W keys
 (`WINDOW`) a tile's keys start at its first query's first visible one (p - W + 1: earlier blocks
 are never read) and each row masks the keys before its own; a soft cap (`SOFT_CAP`) caps the
-scores with the decode kernel's `cap_scores`.
+scores with the decode kernel's `cap_scores`; attention sinks (`SINKS`) start each row's
+running max and sum at (its head's sink, 1): one more logit in the denominator, no value.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pdserve.kernels.checks import (
     check_last_contiguous,
     check_shape,
 )
-from pdserve.kernels.reference.paged_attention import check_attention_variant
+from pdserve.kernels.reference.paged_attention import check_attention_variant, check_sinks
 from pdserve.kernels.triton.launch import dot_dtype, dot_precision, new_output, pow2
 from pdserve.kernels.triton.paged_decode_attention import cap_scores
 
@@ -48,6 +49,7 @@ def _paged_prefill_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks]
     query_start_loc_ptr,  # [num_seqs + 1]
     context_lens_ptr,  # [num_seqs]
+    sinks_ptr,  # fp32 [num_heads] (SINKS only)
     qk_scale,
     window,  # WINDOW: keys visible to each query (its last `window`)
     cap,  # SOFT_CAP: the cap times log2(e); qk_scale is then scale / cap
@@ -56,7 +58,7 @@ def _paged_prefill_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QUANT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-    WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
+    WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     tile, seq, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
@@ -80,6 +82,10 @@ def _paged_prefill_attention_kernel(
     q = q.to(tl.float32).to(DOT)
     m = tl.full([BLOCK_M], -1e30, tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
+    if SINKS:  # each row starts from its head's sink: the logit (log2 units), weight 1, no value
+        m = tl.load(sinks_ptr + heads, mask=r_mask, other=0.0) * 1.4426950408889634
+        m = tl.maximum(m, -1e30)  # a -inf sink (none) must not meet an all-masked block as NaN
+        l_sum += 1.0
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     # Keys up to the tile's last query position; later ones are masked for every row.
     kv_end = context_len - q_len + tl.minimum(tok0 + BLOCK_Q, q_len)
@@ -138,7 +144,7 @@ def _check_prefill_args(q, k_cache, v_cache, block_tables, query_start_loc, cont
 
 
 def _launch(q, k_cache, v_cache, scales, block_tables, query_start_loc, context_lens, scale,
-            max_query_len, sliding_window, cap) -> torch.Tensor:
+            max_query_len, sliding_window, cap, sinks) -> torch.Tensor:
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -155,7 +161,8 @@ def _launch(q, k_cache, v_cache, scales, block_tables, query_start_loc, context_
     grid = (triton.cdiv(max_query_len, block_m // group), num_seqs, num_kv_heads)
     _paged_prefill_attention_kernel[grid](
         out, q, k_cache, v_cache, k_scale, v_scale, block_tables, query_start_loc,
-        context_lens, scale * LOG2E if cap is None else scale / cap,
+        context_lens, q if sinks is None else sinks,  # never read without sinks
+        scale * LOG2E if cap is None else scale / cap,
         sliding_window or 0, 0.0 if cap is None else cap * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scale_strides,
@@ -163,7 +170,7 @@ def _launch(q, k_cache, v_cache, scales, block_tables, query_start_loc, context_
         GROUP=group, HEAD_DIM=head_dim, DIM_PAD=pow2(head_dim, 16), BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, QUANT=scales is not None, DOT=dot,
         PRECISION=dot_precision(dot), WINDOW=sliding_window is not None,
-        SOFT_CAP=cap is not None,
+        SOFT_CAP=cap is not None, SINKS=sinks is not None,
     )
     return out
 
@@ -181,11 +188,13 @@ def paged_prefill_attention(
     *,
     sliding_window: int | None = None,  # keys p - W < j <= p only; None: all j <= p
     soft_cap: float | None = None,  # scores c * tanh(s / c); None: uncapped
+    sinks: torch.Tensor | None = None,  # fp32 [num_heads]: a logit per head, no value
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     _check_prefill_args(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, False)
     check_attention_variant(sliding_window, soft_cap)
+    check_sinks(sinks, q.shape[1], q.device)
     return _launch(q, k_cache, v_cache, None, block_tables, query_start_loc, context_lens,
-                   scale, max_query_len, sliding_window, soft_cap)
+                   scale, max_query_len, sliding_window, soft_cap, sinks)
 
 
 def paged_prefill_attention_int8(
@@ -203,11 +212,13 @@ def paged_prefill_attention_int8(
     *,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     _check_prefill_args(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, True)
     check_kv_scales(k_scale, v_scale, k_cache)
     check_attention_variant(sliding_window, soft_cap)
+    check_sinks(sinks, q.shape[1], q.device)
     return _launch(q, k_cache, v_cache, (k_scale, v_scale), block_tables, query_start_loc,
-                   context_lens, scale, max_query_len, sliding_window, soft_cap)
+                   context_lens, scale, max_query_len, sliding_window, soft_cap, sinks)
 
 

@@ -2,23 +2,30 @@
 
 Tiny random checkpoints written by transformers itself, several configs per architecture
 (GQA and MQA, tied and untied, explicit head_dim, sliding windows shorter than the prompts,
-soft-capping, top-1 / top-2 / top-k routing, dense layers between sparse ones). Offline,
-requests arrive staggered so prefills, prefill chunks and decodes share steps, with prefix
-caching on. Then the same tokens through a prefill worker and a decode worker (every prompt
-prefilled remotely, its KV pushed), and from a decode group of two processes: tensor-parallel,
-and expert-parallel (each rank holds half the experts whole).
+soft-capping, top-1 / top-2 / top-k routing, dense layers between sparse ones; DeepSeek-V3's
+latent attention with and without q LoRA and group-limited routing; gpt-oss's sinks, biased
+experts and MXFP4 experts). Offline, requests arrive staggered so prefills, prefill chunks and
+decodes share steps, with prefix caching on. Then the same tokens through a prefill worker and
+a decode worker (every prompt prefilled remotely, its KV pushed: exactly the bytes the config
+implies per token), from a decode group of two processes (tensor-parallel, and expert-parallel:
+each rank holds half the experts whole), and a latent cache pushed into a decode group of two.
 """
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
+from transformers import AutoConfig
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.engine_core import EngineCore
 from tests.integration.hf_reference import hf_greedy, mixed_prompts
 from tests.integration.test_tensor_parallel import make_config, run_group, run_requests
-from tests.tiny_models import write_tiny_model
-from tests.workers.pd import generate_pd, loopback_pair
+from tests.tiny_models import write_mxfp4_twin, write_tiny_model
+from tests.workers.pd import engine_config, generate_pd, loopback_pair, run_engine
+from tests.workers.processes import start_decode_group, start_prefill
+from tests.workers.test_processes_pd import assert_all_free, run_batch
 
 MAX_TOKENS = 12
 GEMMA3_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
@@ -48,6 +55,30 @@ CASES = {
     "qwen3moe-top4-sparse-step": ("qwen3_moe", dict(
         num_hidden_layers=3, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32,
         norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[2])),
+    # latent attention: q LoRA, YaRN with mscale, a dense first layer, 2 of 4 expert groups
+    "deepseek-v3-qlora-grouped": ("deepseek_v3", dict(
+        num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48,
+        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24, n_routed_experts=8,
+        n_shared_experts=1, moe_intermediate_size=32, n_group=4, topk_group=2,
+        num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 256, "mscale": 1.0,
+                         "mscale_all_dim": 1.0})),
+    # one q_proj, top-1 of 4 without renormalizing, two shared experts, every layer sparse
+    "deepseek-v3-qproj-top1": ("deepseek_v3", dict(
+        num_key_value_heads=4, kv_lora_rank=24, q_lora_rank=None, qk_rope_head_dim=8,
+        qk_nope_head_dim=24, v_head_dim=16, n_routed_experts=4, n_shared_experts=2,
+        moe_intermediate_size=16, n_group=1, topk_group=1, num_experts_per_tok=1,
+        first_k_dense_replace=0, norm_topk_prob=False, routed_scaling_factor=1.0)),
+    # attention sinks on sliding-window (40, shorter than the prompts) and full layers; top-2
+    # of 4 biased experts with the clamped SwiGLU; YaRN
+    "gpt-oss-sinks-window": ("gpt_oss", dict(
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        intermediate_size=32, sliding_window=40,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150_000.0, "factor": 8.0,
+                         "original_max_position_embeddings": 128, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False})),
 }
 
 
@@ -75,6 +106,21 @@ def checkpoint(tmp_path_factory):
 def test_matches_transformers(checkpoint, prompts, case):
     model_dir = checkpoint(case)
     expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    assert offline_greedy(model_dir, prompts) == expected
+
+
+def test_gpt_oss_mxfp4_experts_match_transformers(checkpoint, prompts, tmp_path):
+    """A gpt-oss checkpoint with its experts in MXFP4, as released: the same tokens as
+    transformers on a dense twin holding exactly the values the codes stand for."""
+    dense = tmp_path / "dense"
+    shutil.copytree(checkpoint("gpt-oss-sinks-window"), dense)
+    packed = write_mxfp4_twin(dense, tmp_path / "mxfp4")
+    assert offline_greedy(packed, prompts) == hf_greedy(dense, prompts, MAX_TOKENS)
+
+
+def offline_greedy(model_dir, prompts) -> tuple[tuple[int, ...], ...]:
+    """Greedy tokens of `prompts` from the offline engine, requests arriving staggered; checks
+    every block is free after."""
     llm = LLM(model=str(model_dir), dtype="float32", num_threads=2, max_num_batched_tokens=256,
               max_model_len=512, block_size=16)
     engine = llm.engine
@@ -87,32 +133,51 @@ def test_matches_transformers(checkpoint, prompts, case):
         if queue:
             engine.add_request(*queue.pop(0), params)
         outputs.update((o.request_id, o) for o in engine.step() if o.finished)
-    got = tuple(tuple(outputs[f"r{i}"].token_ids) for i in range(len(prompts)))
-    mismatches = [i for i, (g, e) in enumerate(zip(got, expected)) if g != e]
-    assert not mismatches, f"prompts {mismatches}: got {[got[i] for i in mismatches]}, " \
-        f"transformers {[expected[i] for i in mismatches]}"
     assert engine.core.kv_cache.num_free_blocks == engine.config.cache.num_blocks
+    return tuple(tuple(outputs[f"r{i}"].token_ids) for i in range(len(prompts)))
 
 
-@pytest.mark.parametrize("case", ["gemma3-local-global", "qwen3moe-top4-sparse-step"])
+@pytest.mark.parametrize("case", ["gemma3-local-global", "qwen3moe-top4-sparse-step",
+                                  "deepseek-v3-qlora-grouped", "gpt-oss-sinks-window"])
 def test_prefill_and_decode_workers_match(checkpoint, prompts, case):
     """Every prompt prefilled by the prefill worker, its KV pushed, decoded by the other."""
     model_dir = checkpoint(case)
     expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     with loopback_pair(model_dir) as (prefill, decode):
-        got = tuple(tuple(generate_pd(prefill, decode, f"r{i}", list(p), params))
-                    for i, p in enumerate(prompts))
+        sender = prefill.connector.sender
+        got = [tuple(generate_pd(prefill, decode, "r0", list(prompts[0]), params))]
+        # the first prompt: nothing held on the decode side, every block of it pushed
+        blocks = -(-len(prompts[0]) // prefill.layout.block_size)
+        assert sender.sent_nbytes == blocks * prefill.layout.block_size * \
+            kv_bytes_per_token(AutoConfig.from_pretrained(model_dir))
+        got += [tuple(generate_pd(prefill, decode, f"r{i}", list(p), params))
+                for i, p in enumerate(prompts) if i]
         for worker in (prefill, decode):
             assert worker.stats().num_free_blocks == worker.stats().num_blocks
-    assert got == expected
+    assert tuple(got) == expected
+
+
+def kv_bytes_per_token(hf) -> int:
+    """fp32 KV of one token, from the checkpoint's config: per layer MLA's latent and shared
+    RoPE key, or K and V of every KV head."""
+    if getattr(hf, "kv_lora_rank", None):
+        per_layer = hf.kv_lora_rank + hf.qk_rope_head_dim
+    else:
+        per_layer = 2 * hf.num_key_value_heads * (getattr(hf, "head_dim", None)
+                                                  or hf.hidden_size // hf.num_attention_heads)
+    return 4 * hf.num_hidden_layers * per_layer
 
 
 @pytest.mark.parametrize(("case", "expert_parallel", "which"), [
-    ("qwen3moe-top4-sparse-step", False, slice(0, 4)),
     ("qwen3moe-top4-sparse-step", True, slice(0, 4)),
+    # experts sliced, their down bias added once; then whole, with their biases
+    ("gpt-oss-sinks-window", False, slice(0, 4)),
+    ("gpt-oss-sinks-window", True, slice(0, 4)),
     # one request, one expert per token: every decode step's token is on one rank's expert
     ("mixtral-top1-of-2", True, slice(1, 2)),
+    # heads split, the latent whole on each rank, the routed experts split whole
+    ("deepseek-v3-qlora-grouped", True, slice(0, 4)),
 ])
 def test_decode_group_of_two_matches_one_process(checkpoint, prompts, case, expert_parallel,
                                                  which):
@@ -121,3 +186,24 @@ def test_decode_group_of_two_matches_one_process(checkpoint, prompts, case, expe
     prompts = [list(p) for p in prompts[which]]
     expected = run_requests(EngineCore(make_config(model_dir)), prompts)
     assert run_group(model_dir, prompts, expert_parallel=expert_parallel) == expected
+
+
+def test_latent_kv_into_a_decode_group_of_two(checkpoint, prompts):
+    """Prefill TP-1, decode TP-2, in processes over gloo: each decode rank receives the whole
+    latent (its heads split, the latent not)."""
+    model_dir = checkpoint("deepseek-v3-qlora-grouped")
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = run_engine(EngineCore(engine_config(model_dir)), prompts, params)
+    hosts = start_decode_group(model_dir, tp_size=2)
+    prefill = start_prefill(model_dir)
+    try:
+        ids = [f"r{i}" for i in range(len(prompts))]
+        firsts = run_batch(prefill, hosts[0], ids, [list(p) for p in prompts], params)
+        assert all("first_token" in r for r in firsts.values()), firsts
+        assert [hosts[0].call("collect", id=rid)["tokens"] for rid in ids] == expected
+        assert_all_free(hosts[0])
+        assert_all_free(prefill)
+    finally:
+        prefill.stop()
+        for host in hosts:
+            host.stop()

@@ -21,6 +21,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from pdserve.kernels.triton.fused_moe import _moe_gemm_kernel
+from pdserve.kernels.triton.latent_attention import (
+    _gather_latent_kernel,
+    _paged_latent_decode_kernel,
+    _prefill_attention_kernel,
+    _store_latent_kernel,
+    qk_split,
+)
 from pdserve.kernels.triton.lora import _lora_expand_kernel, _lora_shrink_kernel
 from pdserve.kernels.triton.pack_blocks import _pack_blocks_kernel
 from pdserve.kernels.triton.paged_decode_attention import (
@@ -35,7 +42,7 @@ from pdserve.kernels.triton.store_kv import _store_kv_kernel
 from pdserve.kernels.triton.token_bitmask import BLOCK as BITMASK_BLOCK
 from pdserve.kernels.triton.token_bitmask import _token_bitmask_kernel
 
-FLOAT_ARGS = {"qk_scale", "eps", "cap"}
+FLOAT_ARGS = {"qk_scale", "eps", "cap", "swiglu_alpha", "swiglu_limit"}
 
 
 def compile_kernel(kernel, pointers: dict[str, str], constexprs: dict, arch: int) -> None:
@@ -58,7 +65,8 @@ def _attention_pointers(q: str, cache: str, split: bool, names: list[str]) -> di
     ptrs = {"q_ptr": q, "k_cache_ptr": cache, "v_cache_ptr": cache, "k_scale_ptr": scale,
             "v_scale_ptr": scale, "block_tables_ptr": "i32", "context_lens_ptr": "i32",
             "query_start_loc_ptr": "i32", "out_ptr": "fp32" if split else q,
-            "m_ptr": "fp32" if split else q, "l_ptr": "fp32" if split else q}
+            "m_ptr": "fp32" if split else q, "l_ptr": "fp32" if split else q,
+            "sinks_ptr": "fp32"}
     return {k: v for k, v in ptrs.items() if k in names}
 
 
@@ -70,11 +78,14 @@ def variants():
                           ("fp32", "fp32", tl.float32), ("bf16", "i8", tl.bfloat16)):
         prec = "ieee" if dot == tl.float32 else "tf32"
         quant = cache == "i8"
-        # a layer's window and soft cap (Gemma 2) on the bf16 cache; the others plain
-        variants = ((False, False), (True, True)) if cache == "bf16" else ((False, False),)
-        for window, cap in variants:
-            flags = dict(WINDOW=window, SOFT_CAP=cap)
-            tag = " window softcap" if window else ""
+        # (window, soft cap, sinks): Gemma 2's window and cap on the bf16 cache; gpt-oss's
+        # sinks with a window on bf16, without on int8; the others plain
+        variants = {"bf16": ((False, False, False), (True, True, False), (True, False, True)),
+                    "i8": ((False, False, False), (False, False, True))}
+        for window, cap, sinks in variants.get(cache, ((False, False, False),)):
+            flags = dict(WINDOW=window, SOFT_CAP=cap, SINKS=sinks)
+            tag = "".join(f" {name}" for name, on in
+                          (("window", window), ("softcap", cap), ("sinks", sinks)) if on)
             for group, split in ((8, True), (1, False)):
                 yield (f"decode {cache} group={group} split={split}{tag}",
                        _paged_decode_attention_kernel,
@@ -124,6 +135,7 @@ def variants():
                     PRECISION="ieee" if x == "fp32" else "tf32"))
 
 
+    yield from latent_variants()
     yield ("token_bitmask fp32", _token_bitmask_kernel,
            {"logits_ptr": "fp32", "bitmask_ptr": "i32"}, dict(BLOCK=BITMASK_BLOCK))
     segments = {"segment_starts_ptr": "i32", "segment_slots_ptr": "i32"}
@@ -138,14 +150,46 @@ def variants():
                 **segments},
                dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=16,
                     PRECISION="ieee" if x == "fp32" else "tf32"))
-    for gated, x in ((True, "bf16"), (False, "bf16"), (True, "fp32")):  # w13 + SiLU*up; w2
+    # w13 + SiLU*up; w2; gpt-oss's biases and swigluoai on both
+    for gated, x, oai in ((True, "bf16", False), (False, "bf16", False), (True, "fp32", False),
+                          (True, "bf16", True), (False, "bf16", True)):
         dot = tl.float32 if x == "fp32" else tl.bfloat16
-        yield (f"fused_moe {'w13 gated' if gated else 'w2 weighted'} {x}", _moe_gemm_kernel,
-               {"c_ptr": x, "a_ptr": x, "b_ptr": x, "weights_ptr": "fp32",
+        yield (f"fused_moe {'w13 gated' if gated else 'w2 weighted'} {x}"
+               f"{' bias swigluoai' if oai else ''}", _moe_gemm_kernel,
+               {"c_ptr": x, "a_ptr": x, "b_ptr": x, "bias_ptr": x, "weights_ptr": "fp32",
                 "sorted_ids_ptr": "i64", "block_experts_ptr": "i64"},
-               dict(A_ROW_DIV=8 if gated else 1, GATED=gated, WEIGHTED=not gated, BLOCK_M=16,
-                    BLOCK_N=64, BLOCK_K=64, DOT=dot,
-                    PRECISION="ieee" if x == "fp32" else "tf32"))
+               dict(A_ROW_DIV=8 if gated else 1, GATED=gated, WEIGHTED=not gated,
+                    HAS_BIAS=oai, ACTIVATION=int(oai), BLOCK_M=16, BLOCK_N=64, BLOCK_K=64,
+                    DOT=dot, PRECISION="ieee" if x == "fp32" else "tf32"))
+
+
+def latent_variants():
+    """MLA's kernels at DeepSeek-V3's shapes (rank 512 + rope 64; qk 192, v 128) per dtype."""
+    for x, dot in (("bf16", tl.bfloat16), ("fp16", tl.float16), ("fp32", tl.float32)):
+        prec = "ieee" if x == "fp32" else "tf32"
+        for split in (True, False):
+            yield (f"latent decode {x} split={split}", _paged_latent_decode_kernel,
+                   {"out_ptr": "fp32" if split else x, "m_ptr": "fp32" if split else x,
+                    "l_ptr": "fp32" if split else x, "q_ptr": x, "cache_ptr": x,
+                    "block_tables_ptr": "i32", "context_lens_ptr": "i32"},
+                   dict(RANK=512, RANK_PAD=512, ROPE=64, ROPE_PAD=64, BLOCK_H=16,
+                        BLOCK_SIZE=64, BLOCK_N=32, SPLIT=split, DOT=dot, PRECISION=prec))
+        qk_a, qk_b_pad = qk_split(192)
+        yield (f"prefill_attention {x} qk=192 v=128", _prefill_attention_kernel,
+               {"out_ptr": x, "q_ptr": x, "k_ptr": x, "v_ptr": x, "query_start_loc_ptr": "i32",
+                "context_lens_ptr": "i32", "key_start_ptr": "i64"},
+               dict(QK_DIM=192, QK_A=qk_a, QK_B_PAD=qk_b_pad, V_DIM=128, V_PAD=128,
+                    BLOCK_M=64, BLOCK_N=32, DOT=dot, PRECISION=prec))
+    yield ("latent decode merge rank=512", _paged_decode_merge_kernel,
+           {"out_ptr": "bf16", "acc_ptr": "fp32", "m_ptr": "fp32", "l_ptr": "fp32"},
+           dict(HEAD_DIM=512, DIM_PAD=512, SPLITS_PAD=32))
+    yield ("store_latent bf16", _store_latent_kernel,
+           {"entry_ptr": "bf16", "cache_ptr": "bf16", "slot_mapping_ptr": "i64"},
+           dict(ENTRY_DIM=576, DIM_PAD=1024, BLOCK_SIZE=64))
+    yield ("gather_latent bf16", _gather_latent_kernel,
+           {"out_ptr": "bf16", "cache_ptr": "bf16", "block_tables_ptr": "i32",
+            "context_lens_ptr": "i32", "out_start_ptr": "i64"},
+           dict(ENTRY_DIM=576, DIM_PAD=1024, BLOCK_SIZE=64, BLOCK_T=16))
 
 
 def main() -> int:

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from pdserve.kvtransfer.descriptor import DescriptorError, Endpoint, TransferDescriptor
+from pdserve.kvtransfer.layout import KVLayout
 from tests.kvtransfer.kvdata import TINY, descriptor, endpoints
 
 SOURCES = endpoints(29500, 2, "prefill-0.local")
@@ -33,6 +34,18 @@ def test_round_trip_keeps_everything() -> None:
                                                                        (3, 4)]
     assert back.num_blocks == 3 and back.deadline > time.time()
     d.check_layout(TINY)
+
+
+def test_a_latent_layout_gives_every_destination_the_whole_entry() -> None:
+    latent = KVLayout("deepseek", "bfloat16", 16, 3, 1, 288, "latent")
+    d = descriptor(latent, SOURCES, DESTS, [7, 3])
+    back = TransferDescriptor.decode(d.encode())
+    assert [(s.head_start, s.head_end) for s in back.destinations] == [(0, 1)] * 4
+    back.check_layout(latent)
+    document = json.loads(d.encode())  # a range that is neither a split nor all of the heads
+    document["destinations"][1]["heads"] = [0, 2]
+    with pytest.raises(DescriptorError, match="split the KV heads evenly"):
+        TransferDescriptor.decode(json.dumps(document))
 
 
 def test_transfer_ids_are_fresh() -> None:

@@ -13,6 +13,7 @@ from pdserve.kvtransfer.layout import (
     reshard_routes,
     routes_from,
     routes_to,
+    transfer_view,
 )
 from tests.kvtransfer.kvdata import zero_caches
 
@@ -23,15 +24,17 @@ def test_layout_id_is_stable_and_sensitive_to_every_field() -> None:
     assert LAYOUT.layout_id == KVLayout("m", "float32", 16, 2, 8, 64).layout_id
     assert len(LAYOUT.layout_id) == 16
     changes = [{"model": "m2"}, {"dtype": "bfloat16"}, {"block_size": 32}, {"num_layers": 3},
-               {"num_kv_heads": 4}, {"head_dim": 128}]
+               {"num_kv_heads": 4}, {"head_dim": 128}, {"num_kv_heads": 1, "kind": "latent"},
+               {"num_kv_heads": 1}]
     changed = [dataclasses.replace(LAYOUT, **c) for c in changes]
     ids = {LAYOUT.layout_id} | {c.layout_id for c in changed}
-    assert len(ids) == 7
+    assert len(ids) == 9
 
 
 @pytest.mark.parametrize("kwargs", [
     {"model": ""}, {"dtype": "int4"}, {"block_size": 0}, {"num_layers": -1},
-    {"num_kv_heads": True}, {"head_dim": 64.0}, {"block_size": 1 << 20},
+    {"num_kv_heads": True}, {"head_dim": 64.0}, {"block_size": 1 << 20}, {"kind": "mla"},
+    {"kind": "latent"},  # a latent cache is one head
 ])
 def test_layout_refuses_bad_fields(kwargs: dict) -> None:
     with pytest.raises(ValueError):
@@ -96,3 +99,28 @@ def test_check_kv_caches_names_the_problem() -> None:
     bad = [(k.half(), v) for k, v in caches]
     with pytest.raises(ValueError, match="float32"):
         check_kv_caches(LAYOUT, bad, 8)
+
+
+LATENT = KVLayout("deepseek", "bfloat16", 16, 3, 1, 288, "latent")  # V3's 512 + 64 entry
+
+
+@pytest.mark.parametrize(("p", "d"), [(1, 1), (1, 2), (2, 1), (2, 4)])
+def test_a_latent_cache_goes_whole_to_every_destination_rank(p: int, d: int) -> None:
+    assert LATENT.head_ranges(d) == [(0, 1)] * d
+    routes = reshard_routes(LATENT, p, d)
+    assert [(r.source_rank, r.dest_rank, r.head_start, r.head_end) for r in routes] == [
+        (j % p, j, 0, 1) for j in range(d)]
+    for j in range(d):
+        assert routes_to(LATENT, j, p, d) == [routes[j]]
+    assert sum(len(routes_from(LATENT, i, p, d)) for i in range(p)) == d
+
+
+def test_a_latent_entry_travels_as_its_two_halves() -> None:
+    cache = torch.randn(5, 16, 576).to(torch.bfloat16)
+    ((k, v),) = transfer_view(LATENT, [(cache,)])
+    assert k.shape == v.shape == (5, 16, 1, 288)
+    assert torch.equal(torch.cat([k, v], dim=-1).squeeze(2), cache)
+    k[2, 3, 0, 0] = -1.0  # views: a transfer landing in them lands in the cache
+    assert cache[2, 3, 0] == -1.0
+    assert LATENT.block_nbytes(1) == 16 * 576 * 2  # a block's entries' bytes, no more
+    check_kv_caches(LATENT, [(k, v)] * 3, 1)

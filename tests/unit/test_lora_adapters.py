@@ -63,3 +63,17 @@ def test_sync_serves_exactly_the_shared_table(model, tiny_lora_dirs):
     assert list(loras) == [reloaded]
     loras.sync({"all": first})
     assert list(loras) == [first]
+
+
+def test_adapters_for_other_families_are_refused_by_name(tiny_llama_dir, tiny_lora_dirs):
+    import dataclasses
+
+    from pdserve.engine.config import load_model_config
+    from pdserve.engine.lora_adapter import check_adapter
+
+    llama = load_model_config(tiny_llama_dir)
+    assert check_adapter(str(tiny_lora_dirs["all"]), llama, 16).rank > 0
+    for arch in ("DeepseekV3ForCausalLM", "GptOssForCausalLM"):
+        with pytest.raises(ValueError, match=f"lora_path: .*{arch}'s layers"):
+            check_adapter(str(tiny_lora_dirs["all"]),
+                          dataclasses.replace(llama, architecture=arch), 16)
