@@ -27,8 +27,7 @@ calls `ops.<op>` and never asks what the device, the cache dtype or a weight's l
 - LoRA adapters: `add_lora(y, x, a, b, mapping, slice_offsets)` adds each token's adapter
   (`kernels.lora_mapping`, -1: none) to a linear's output y in place, as the batched shrink
   (`lora_shrink`: x A^T into an fp32 buffer) then expand (`lora_expand`: y += buffer B^T per
-  slice of a fused projection), Punica's SGMV.
-
+  slice of a fused projection), Punica's SGMV;
 - latent attention (MLA): `latent_attention(q_nope, q_pe, entry, kv_cache, meta, scale, w_uk, w_uv,
   expand)` stores a step's latent entries and attends, decodes absorbed into the latent space and
   prefills plain (`kernels.reference.latent_attention`), over its single-tensor cache.
@@ -225,7 +224,6 @@ class KernelBackend:
                                  p.context_lens, scale, p.max_query_len, p.max_context_len,
                                  **variant))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
-
 
     def latent_attention(
         self,

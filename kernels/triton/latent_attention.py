@@ -23,7 +23,7 @@ then `rope_dim` RoPE'd key values):
 Softmax is online in fp32, base 2; the dots take the cache's half type on a GPU (fp32 with IEEE
 precision for fp32) and fp32 under the interpreter (`launch.dot_dtype`).
 
-One file past 400 lines: the four ops are one concept (the reference's module, op for op) and
+Why one file: the four ops are one concept (the reference's module, op for op) and they
 share the cache's layout and checks.
 """
 

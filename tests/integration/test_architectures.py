@@ -170,14 +170,11 @@ def kv_bytes_per_token(hf) -> int:
 
 
 @pytest.mark.parametrize(("case", "expert_parallel", "which"), [
-    ("qwen3moe-top4-sparse-step", True, slice(0, 4)),
     # experts sliced, their down bias added once; then whole, with their biases
     ("gpt-oss-sinks-window", False, slice(0, 4)),
     ("gpt-oss-sinks-window", True, slice(0, 4)),
     # one request, one expert per token: every decode step's token is on one rank's expert
     ("mixtral-top1-of-2", True, slice(1, 2)),
-    # heads split, the latent whole on each rank, the routed experts split whole
-    ("deepseek-v3-qlora-grouped", True, slice(0, 4)),
 ])
 def test_decode_group_of_two_matches_one_process(checkpoint, prompts, case, expert_parallel,
                                                  which):
@@ -188,13 +185,14 @@ def test_decode_group_of_two_matches_one_process(checkpoint, prompts, case, expe
     assert run_group(model_dir, prompts, expert_parallel=expert_parallel) == expected
 
 
-def test_latent_kv_into_a_decode_group_of_two(checkpoint, prompts):
-    """Prefill TP-1, decode TP-2, in processes over gloo: each decode rank receives the whole
-    latent (its heads split, the latent not)."""
+def test_latent_kv_into_an_expert_parallel_decode_group_of_two(checkpoint, prompts):
+    """Prefill TP-1, decode TP-2 with EP-2, in processes over gloo: each decode rank receives
+    the whole latent (its attention heads split, the latent not) and holds half the routed
+    experts whole."""
     model_dir = checkpoint("deepseek-v3-qlora-grouped")
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = run_engine(EngineCore(engine_config(model_dir)), prompts, params)
-    hosts = start_decode_group(model_dir, tp_size=2)
+    hosts = start_decode_group(model_dir, tp_size=2, expert_parallel=True)
     prefill = start_prefill(model_dir)
     try:
         ids = [f"r{i}" for i in range(len(prompts))]

@@ -87,7 +87,8 @@ def serve_decode(cfg: dict) -> None:
                                 secret=secret)
     endpoints = [Endpoint("127.0.0.1", listener.endpoint.port, r) for r in range(size)]
     config = engine_config(cfg["model_dir"], num_blocks=cfg.get("num_blocks", 256))
-    worker = start_decode_rank(config, TensorParallel(rank, size, group), listener, endpoints,
+    tp = TensorParallel(rank, size, group, expert_parallel=cfg.get("expert_parallel", False))
+    worker = start_decode_rank(config, tp, listener, endpoints,
                                MODEL_NAME, max_reservation_s=cfg.get("max_reservation_s", 30.0),
                                tp_beat_s=cfg.get("tp_beat_s", 2.0))
     if worker is None:
