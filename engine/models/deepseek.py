@@ -37,7 +37,12 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.models.llama import LlamaForCausalLM, LlamaMLP, RMSNorm
+from pdserve.engine.models.llama import (
+    LlamaForCausalLM,
+    LlamaMLP,
+    ModuleDecoderLayer,
+    RMSNorm,
+)
 from pdserve.engine.models.moe import Router
 from pdserve.engine.models.parallel import (
     ColumnParallelLinear,
@@ -234,7 +239,7 @@ def mla_mscale(params: dict) -> float:
     return 0.1 * all_dim * math.log(factor) + 1.0
 
 
-class DeepseekDecoderLayer(torch.nn.Module):
+class DeepseekDecoderLayer(ModuleDecoderLayer):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, ops: KernelBackend,
                  rope: tuple[torch.Tensor, torch.Tensor], index: int, **kw):
         super().__init__()
@@ -244,16 +249,6 @@ class DeepseekDecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, ops, **kw)
         dense = index < cfg.hf_config.first_k_dense_replace
         self.mlp = LlamaMLP(cfg, tp, ops, **kw) if dense else DeepseekMoe(cfg, tp, ops, **kw)
-
-    def forward(self, hidden, residual, positions, kv_cache, meta):
-        hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, positions, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
-
-    def block(self) -> None:
-        """Not the standard block: runs as a module on every backend."""
-        return None
 
 
 _ATTN = r"model\.layers\.(\d+)\.self_attn\."

@@ -24,7 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.models.llama import LlamaAttention, LlamaForCausalLM, RMSNorm
+from pdserve.engine.models.llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    ModuleDecoderLayer,
+    RMSNorm,
+)
 from pdserve.engine.models.moe import Router
 from pdserve.engine.models.parallel import FusedExperts, TensorParallel
 from pdserve.engine.models.rope import rope_tables
@@ -119,7 +124,7 @@ class GptOssMoe(torch.nn.Module):
         return self.tp.all_reduce(self.experts(x, weights, ids))
 
 
-class GptOssDecoderLayer(torch.nn.Module):
+class GptOssDecoderLayer(ModuleDecoderLayer):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, ops: KernelBackend,
                  rope: tuple[torch.Tensor, torch.Tensor], index: int, **kw):
         super().__init__()
@@ -128,16 +133,6 @@ class GptOssDecoderLayer(torch.nn.Module):
         self.self_attn = LlamaAttention(cfg, tp, ops, rope, cfg.window(index), sinks=True, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, ops, **kw)
         self.mlp = GptOssMoe(cfg, tp, **kw)
-
-    def forward(self, hidden, residual, positions, kv_cache, meta):
-        hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, positions, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
-
-    def block(self) -> None:
-        """Not the standard block (sinks, experts): runs as a module on every backend."""
-        return None
 
 
 class GptOssForCausalLM(LlamaForCausalLM):

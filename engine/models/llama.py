@@ -160,6 +160,21 @@ class LlamaDecoderLayer(torch.nn.Module):
         )
 
 
+class ModuleDecoderLayer(torch.nn.Module):
+    """A pre-norm layer that runs as modules on every backend (not the fused block): input
+    norm, `self_attn`, post-attention norm, `mlp` (routed experts: no adapter). A subclass
+    builds the four (DeepSeek's, gpt-oss's)."""
+
+    def forward(self, hidden, residual, positions, kv_cache, meta):
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+    def block(self) -> None:
+        return None
+
+
 class LlamaForCausalLM(torch.nn.Module):
     """Every architecture of the module doc (one graph, config-driven). A family that differs
     in its layers, its norm or its embedding subclasses it (`engine.models.gemma`)."""
