@@ -70,6 +70,30 @@ def check_kv_scales(
         raise ValueError("k_scale and v_scale must share strides (allocate them alike)")
 
 
+def check_latent_cache(cache: torch.Tensor) -> int:
+    """A latent (MLA) cache [num_blocks, block_size, entry_dim]; returns entry_dim."""
+    if cache.dim() != 3:
+        raise ValueError("the latent cache must be [num_blocks, block_size, entry_dim], got "
+                         f"shape {tuple(cache.shape)}")
+    check_dtype("cache", cache, FLOAT_DTYPES)
+    check_last_contiguous("cache", cache)
+    return cache.shape[2]
+
+
+def check_latent_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                        context_lens: torch.Tensor, kv_lora_rank: int) -> None:
+    """The arguments of an absorbed latent decode (`kernels.reference.latent_attention`)."""
+    entry_dim = check_latent_cache(cache)
+    check_shape("q", q, (None, None, entry_dim))
+    check_dtype("q", q, FLOAT_DTYPES)
+    check_last_contiguous("q", q)
+    if not 0 < kv_lora_rank <= entry_dim:
+        raise ValueError(f"kv_lora_rank must be in [1, entry_dim={entry_dim}], got "
+                         f"{kv_lora_rank}")
+    check_block_tables(block_tables, context_lens, q.shape[0])
+    check_device(q.device, cache=cache, block_tables=block_tables, context_lens=context_lens)
+
+
 def check_block_tables(
     block_tables: torch.Tensor, context_lens: torch.Tensor, num_seqs: int
 ) -> None:

@@ -86,12 +86,11 @@ def grouped_topk(
 
 
 class DeepseekRouter(Router):
-    """The gate's [E, H] weights and its [E] choice bias, replicated."""
+    """The gate's [E, H] weights and its [E] choice bias, replicated (kept in fp32)."""
 
     def __init__(self, num_experts: int, hidden_size: int, **kw):
         super().__init__(num_experts, hidden_size, **kw)
-        self.e_score_correction_bias = torch.nn.Parameter(
-            torch.zeros(num_experts, dtype=torch.float32, device=kw["device"]), False)
+        self.e_score_correction_bias = torch.nn.Parameter(torch.zeros(num_experts, **kw), False)
 
     def load(self, name: str, tensor: torch.Tensor | QuantizedWeight, shard: str = "") -> None:
         if name == "e_score_correction_bias":
@@ -112,7 +111,9 @@ class DeepseekMoe(torch.nn.Module):
         if hf.n_routed_experts % hf.n_group:
             raise ValueError(f"n_routed_experts ({hf.n_routed_experts}) must be a multiple of "
                              f"n_group ({hf.n_group})")
-        self.gate = DeepseekRouter(hf.n_routed_experts, cfg.hidden_size, **kw)
+        # fp32, as DeepSeek scores experts: cast once here, not every step
+        self.gate = DeepseekRouter(hf.n_routed_experts, cfg.hidden_size,
+                                   **{**kw, "dtype": torch.float32})
         inter = hf.moe_intermediate_size
         self.experts = FusedExperts(hf.n_routed_experts, cfg.hidden_size, inter, tp, **kw)
         self.shared_experts = LlamaMLP(cfg, tp, ops, intermediate_size=inter * hf.n_shared_experts,
@@ -120,7 +121,7 @@ class DeepseekMoe(torch.nn.Module):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        weights, ids = grouped_topk(F.linear(x.float(), self.gate.weight.float()),
+        weights, ids = grouped_topk(F.linear(x.float(), self.gate.weight),
                                     self.gate.e_score_correction_bias, self.top_k, self.groups,
                                     self.topk_groups, self.renormalize, self.scaling)
         out = self.tp.all_reduce(self.experts(x, weights, ids))
@@ -192,6 +193,7 @@ class MlaAttention(torch.nn.Module):
         query = (cfg.num_heads * qk, qk, self.rope_dim, interleaved)
         if hf.q_lora_rank is None:
             self.q_proj = RopeRowsLinear(cfg.hidden_size, *query, tp, **kw)
+            self.q_a_proj = None
         else:
             self.q_a_proj = ColumnParallelLinear(cfg.hidden_size, {"x": hf.q_lora_rank}, False,
                                                  REPLICATED, **kw)
@@ -209,7 +211,7 @@ class MlaAttention(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor,
                 kv_cache: tuple[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        if hasattr(self, "q_proj"):
+        if self.q_a_proj is None:
             q = self.q_proj(hidden)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden))[0])

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.kernels.checks import check_block_tables, check_dtype, check_shape
+from pdserve.kernels.checks import check_dtype, check_latent_decode, check_shape
 from pdserve.kernels.cpu import build
 from pdserve.kernels.reference.latent_attention import paged_latent_decode_attention_ref
 
@@ -34,18 +34,6 @@ def available() -> bool:
     return _kernel() is not None
 
 
-def _check(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-           context_lens: torch.Tensor, kv_lora_rank: int) -> None:
-    if cache.dim() != 3 or not cache.is_contiguous():
-        raise ValueError("the latent cache must be a contiguous [num_blocks, block_size, "
-                         f"entry_dim], got shape {tuple(cache.shape)}")
-    check_shape("q", q, (None, None, cache.shape[2]))
-    if not 0 < kv_lora_rank <= cache.shape[2]:
-        raise ValueError(f"kv_lora_rank must be in [1, entry_dim={cache.shape[2]}], got "
-                         f"{kv_lora_rank}")
-    check_block_tables(block_tables, context_lens, q.shape[0])
-
-
 def paged_latent_decode_attention_cpu(
     q: torch.Tensor,  # [num_seqs, num_heads, entry_dim]: absorbed no-RoPE part, then RoPE part
     cache: torch.Tensor,  # [num_blocks, block_size, entry_dim]
@@ -62,7 +50,10 @@ def paged_latent_decode_attention_cpu(
         ref = paged_latent_decode_attention_ref(q, cache, block_tables, context_lens, scale,
                                                 max_context_len, kv_lora_rank)
         return ref if out is None else out.copy_(ref)
-    _check(q, cache, block_tables, context_lens, kv_lora_rank)
+    check_latent_decode(q, cache, block_tables, context_lens, kv_lora_rank)
+    if not cache.is_contiguous():  # the C kernel indexes blocks and slots by row
+        raise ValueError("the latent cache must be contiguous, got strides "
+                         f"{cache.stride()}")
     num_seqs, num_heads, entry_dim = q.shape
     if q.stride(2) != 1 or q.stride(1) != entry_dim:
         q = q.contiguous()  # heads must be packed; tokens may be strided

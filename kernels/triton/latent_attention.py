@@ -39,6 +39,8 @@ from pdserve.kernels.checks import (
     check_device,
     check_dtype,
     check_last_contiguous,
+    check_latent_cache,
+    check_latent_decode,
     check_shape,
 )
 from pdserve.kernels.triton.launch import (
@@ -242,22 +244,12 @@ def _prefill_attention_kernel(
              mask=t_mask[:, None] & (dv[None, :] < V_DIM))
 
 
-def _check_cache(cache: torch.Tensor) -> int:
-    """A latent cache [num_blocks, block_size, entry_dim]; returns entry_dim."""
-    if cache.dim() != 3:
-        raise ValueError("the latent cache must be [num_blocks, block_size, entry_dim], got "
-                         f"shape {tuple(cache.shape)}")
-    check_dtype("cache", cache, FLOAT_DTYPES)
-    check_last_contiguous("cache", cache)
-    return cache.shape[2]
-
-
 def store_latent(
     entry: torch.Tensor,  # [num_tokens, entry_dim]: latent, then the RoPE'd key
     cache: torch.Tensor,  # [num_blocks, block_size, entry_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, block_id * block_size + offset
 ) -> None:
-    entry_dim = _check_cache(cache)
+    entry_dim = check_latent_cache(cache)
     check_shape("entry", entry, (None, entry_dim))
     check_dtype("entry", entry, FLOAT_DTYPES)
     check_last_contiguous("entry", entry)
@@ -277,7 +269,7 @@ def gather_latent(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     context_lens: torch.Tensor,  # [num_seqs] int32
 ) -> torch.Tensor:  # [sum(context_lens), entry_dim]: each sequence's entries, one after another
-    entry_dim = _check_cache(cache)
+    entry_dim = check_latent_cache(cache)
     num_seqs = context_lens.shape[0]
     check_block_tables(block_tables, context_lens, num_seqs)
     check_device(cache.device, block_tables=block_tables, context_lens=context_lens)
@@ -311,18 +303,6 @@ def _decode_splits(num_seqs: int, head_blocks: int, max_context_len: int, block_
     return -(-context // per_split), per_split
 
 
-def _check_decode_args(q, cache, block_tables, context_lens, kv_lora_rank) -> None:
-    entry_dim = _check_cache(cache)
-    check_shape("q", q, (None, None, entry_dim))
-    check_dtype("q", q, FLOAT_DTYPES)
-    check_last_contiguous("q", q)
-    if not 0 < kv_lora_rank <= entry_dim:
-        raise ValueError(f"kv_lora_rank must be in [1, entry_dim={entry_dim}], got "
-                         f"{kv_lora_rank}")
-    check_block_tables(block_tables, context_lens, q.shape[0])
-    check_device(q.device, cache=cache, block_tables=block_tables, context_lens=context_lens)
-
-
 def paged_latent_decode_attention(
     q: torch.Tensor,  # [num_seqs, num_heads, entry_dim]: absorbed no-RoPE part, then RoPE part
     cache: torch.Tensor,  # [num_blocks, block_size, entry_dim]
@@ -334,7 +314,7 @@ def paged_latent_decode_attention(
     *,
     num_splits: int | None = None,  # None: enough to fill the GPU
 ) -> torch.Tensor:  # [num_seqs, num_heads, kv_lora_rank] in q's dtype
-    _check_decode_args(q, cache, block_tables, context_lens, kv_lora_rank)
+    check_latent_decode(q, cache, block_tables, context_lens, kv_lora_rank)
     num_seqs, num_heads, entry_dim = q.shape
     out = new_output((num_seqs, num_heads, kv_lora_rank), q.dtype, q.device)
     if num_seqs == 0 or num_heads == 0:

@@ -112,12 +112,8 @@ def routing(tokens: int, top_k: int, num_ids: int, seed: int = 1):
 
 
 def close(got, want, tol, dtype):
-    """Within `tol`, relative and absolute; in a 16-bit dtype the absolute part is at least a
-    unit in the last place of the largest output (2**-7 of it in bf16): an output near 0 is a
-    sum of terms that large, each rounded at that scale."""
     assert got.dtype == dtype and got.shape == want.shape
-    atol = tol if dtype == torch.float32 else max(tol, 2**-7 * want.abs().max().item())
-    torch.testing.assert_close(got.double(), want.double(), atol=atol, rtol=tol)
+    torch.testing.assert_close(got.double(), want.double(), atol=tol, rtol=tol)
 
 
 def oai(w: dict[str, torch.Tensor], dtype: torch.dtype | None = None, **kw) -> dict:
