@@ -16,8 +16,17 @@ run with NeoX RoPE there, which rotates halves as Hugging Face does: their rows 
 yielded under Hugging Face's fused names: the loader's `split_fused` cuts them by rows, as for
 every format, quantized blocks kept; its longrope factor tensors are skipped (config.json holds
 them). `gemma3`: no interleaving; the converter stores each Gemma RMSNorm weight as 1 + w, so 1
-is subtracted back, in fp32, as transformers does. Mixture-of-experts files (qwen3moe;
-Mixtral converted as llama) are refused.
+is subtracted back, in fp32, as transformers does.
+
+Two mixture-of-experts architectures: `qwen3moe` (Qwen3-MoE: qwen3's names) and `llama` files
+that carry experts (Mixtral, which the converter writes as llama, q/k interleaved as above).
+Their router is ffn_gate_inp; the converter stacks each layer's experts into ffn_gate_exps,
+ffn_up_exps and ffn_down_exps, [experts, rows, columns], which are cut back into one weight per
+expert under its Hugging Face name (Mixtral's w1 gate, w3 up, w2 down), each decoded on its own
+(blocks kept, as any weight's). A layer's three expert tensors take one form, as a fused group
+does. Other mixture-of-experts files (deepseek2, gpt-oss, qwen2moe, ...) are refused, naming
+the architecture. Which Hugging Face model a file stands for comes from the config.json beside
+it: the reader only gives names.
 
 Every yielded tensor owns its memory (none is a view of the file): the file is read through a
 memory map and only one tensor is decoded at a time. `read_gguf` parses the header itself:
@@ -33,7 +42,7 @@ from __future__ import annotations
 import re
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -69,14 +78,25 @@ class _Arch:
     block_names: dict[str, str]
     unpermute_qk: bool  # llama.cpp interleaved q/k rows for its RoPE (LlamaModel.permute)
     norm_shift: float  # llama.cpp stored each *norm.weight as w + this
+    # stacked experts tensor -> one expert's Hugging Face module, "{}" where its index goes
+    experts: dict[str, str] = field(default_factory=dict)
 
 
 _LLAMA_NAMES = {**_PROJECTIONS, "ffn_norm": "post_attention_layernorm"}
+_QWEN3_NAMES = {**_LLAMA_NAMES, "attn_q_norm": "self_attn.q_norm",
+                "attn_k_norm": "self_attn.k_norm"}
 _ARCHS = {
-    "llama": _Arch(_LLAMA_NAMES, True, 0.0),
+    # Mixtral too: its router and experts as MixtralForCausalLM names them
+    "llama": _Arch({**_LLAMA_NAMES, "ffn_gate_inp": "block_sparse_moe.gate"}, True, 0.0,
+                   {"ffn_gate_exps": "block_sparse_moe.experts.{}.w1",
+                    "ffn_up_exps": "block_sparse_moe.experts.{}.w3",
+                    "ffn_down_exps": "block_sparse_moe.experts.{}.w2"}),
     "qwen2": _Arch(_LLAMA_NAMES, False, 0.0),  # q/k/v biases: the same names, .bias
-    "qwen3": _Arch({**_LLAMA_NAMES, "attn_q_norm": "self_attn.q_norm",
-                    "attn_k_norm": "self_attn.k_norm"}, False, 0.0),
+    "qwen3": _Arch(_QWEN3_NAMES, False, 0.0),
+    "qwen3moe": _Arch({**_QWEN3_NAMES, "ffn_gate_inp": "mlp.gate"}, False, 0.0,
+                      {"ffn_gate_exps": "mlp.experts.{}.gate_proj",
+                       "ffn_up_exps": "mlp.experts.{}.up_proj",
+                       "ffn_down_exps": "mlp.experts.{}.down_proj"}),
     # Phi3ForCausalLM's fused matrices as Hugging Face names them (engine.loader.split_fused);
     # llama.cpp also reads a phi3 file with separate attn_q / attn_k / attn_v
     "phi3": _Arch({**_LLAMA_NAMES, "attn_qkv": "self_attn.qkv_proj",
@@ -89,15 +109,18 @@ _ARCHS = {
 }
 # Tensors our network fuses into one linear (q/k/v, gate/up), which takes one form: blocks of
 # one bit width for all, or dense for all. Q4_K_M files mix types within a layer (attn_v Q8_0
-# beside attn_q Q5_0 in Gemma 3's), so such a group loads dense.
+# beside attn_q Q5_0 in Gemma 3's), so such a group loads dense. A layer's experts likewise:
+# FusedExperts holds all of them quantized or none, each expert's gate and up as one matrix.
 _FUSED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up",
-          "ffn_up": "gate_up"}
+          "ffn_up": "gate_up", "ffn_gate_exps": "experts", "ffn_up_exps": "experts",
+          "ffn_down_exps": "experts"}
 # Llama 3's RoPE frequency factors and Phi-3's longrope ones: Hugging Face reads them from
 # config.json's rope_scaling and has no tensor for them (transformers' GGUF loader skips them).
 _SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
-# Stacked experts and their router (ffn_gate_exps, ffn_gate_inp, shared ffn_*_shexp)
+# Stacked experts and their router (ffn_gate_exps, ffn_gate_inp, shared ffn_*_shexp): what
+# marks a mixture-of-experts file of an architecture not read here
 _EXPERTS = re.compile(r"blk\.\d+\.ffn_\w+_(?:exps|inp|shexp)\.(?:weight|bias)")
-# Phi-3's fused q/k/v and gate/up, by Hugging Face name
+# a block's tensor: blk.<layer>.<name>.<weight|bias>
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL = re.compile(r"(\w+)\.(weight|bias)")
 
@@ -131,8 +154,9 @@ def gguf_file(model_dir: Path) -> Path | None:
 
 
 def iter_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """Yield every tensor of the llama, qwen2, qwen3, phi3 or gemma3 GGUF file `path` under its
-    Hugging Face name (Phi-3's fused attn_qkv / ffn_up as their q/k/v and gate/up parts)."""
+    """Yield every tensor of the llama (Mixtral too), qwen2, qwen3, qwen3moe, phi3 or gemma3
+    GGUF file `path` under its Hugging Face name (Phi-3's fused attn_qkv / ffn_up as their
+    q/k/v and gate/up parts; stacked experts as one weight per expert)."""
     file = read_gguf(path)
     arch = _architecture(file, path)
     heads = _field(file, f"{file.arch}.attention.head_count", path)
@@ -145,6 +169,12 @@ def iter_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]
         if kind not in SUPPORTED:
             raise ValueError(f"GGUF tensor {tensor.name} is {kind}; pdserve loads "
                              f"{', '.join(SUPPORTED[:-1])} and {SUPPORTED[-1]}")
+        dense = kind in KEPT_BITS and _fused_group(tensor.name) in dense_groups
+        experts = _expert_names(tensor.name, arch, len(tensor.data))
+        if experts is not None:  # [experts, rows, columns (or row bytes)]: one expert at a time
+            for name, data in zip(experts, tensor.data, strict=True):
+                yield name, _weight(tensor.name, kind, data, dense)
+            continue
         name, layer = hf_name(tensor.name, file.arch)
         data = tensor.data
         if arch.unpermute_qk and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
@@ -152,26 +182,40 @@ def iter_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]
             data = data[_unpermute_rows(data.shape[0], n, tensor.name)]
         if arch.norm_shift and "norm.weight" in tensor.name:
             weight = torch.from_numpy(_dequantize(data, kind) - np.float32(arch.norm_shift))
-        elif kind in KEPT_BITS and _fused_group(tensor.name) in dense_groups:
-            weight = torch.from_numpy(_dequantize(data, kind))
         else:
-            weight = _decode(tensor.name, kind, data)
+            weight = _weight(tensor.name, kind, data, dense)
         yield name, weight
 
 
+def _weight(name: str, kind: str, data: np.ndarray, dense: bool
+            ) -> torch.Tensor | QuantizedWeight:
+    """A tensor's data decoded; `dense`: blocks of its fused group's other form, dequantized."""
+    return torch.from_numpy(_dequantize(data, kind)) if dense else _decode(name, kind, data)
+
+
 def _architecture(file: GGUFFile, path: Path) -> _Arch:
-    """The file's architecture; ValueError for any other, and for mixture-of-experts files."""
+    """The file's architecture; ValueError for any other, naming mixture-of-experts ones."""
+    arch = _ARCHS.get(file.arch)
+    if arch is not None:
+        return arch
     experts = next((t.name for t in file.tensors if _EXPERTS.fullmatch(t.name)), None)
     if experts is not None or "moe" in file.arch:
         found = f" (tensor {experts})" if experts else ""
         raise ValueError(f"GGUF file {path}: {file.arch!r} is a mixture-of-experts model"
-                         f"{found}; pdserve reads dense GGUF files only: serve its Hugging "
-                         "Face checkpoint instead")
-    arch = _ARCHS.get(file.arch)
-    if arch is None:
-        raise ValueError(f"GGUF file {path}: general.architecture is {file.arch!r}; pdserve "
-                         f"reads {', '.join(_ARCHS)} GGUF files")
-    return arch
+                         f"{found}; of those pdserve reads qwen3moe and llama (Mixtral) GGUF "
+                         "files only: serve its Hugging Face checkpoint instead")
+    raise ValueError(f"GGUF file {path}: general.architecture is {file.arch!r}; pdserve "
+                     f"reads {', '.join(_ARCHS)} GGUF files")
+
+
+def _expert_names(gguf_name: str, arch: _Arch, count: int) -> list[str] | None:
+    """The Hugging Face names of the `count` experts of a stacked experts tensor, in order;
+    None for any other tensor."""
+    match = _BLOCK.fullmatch(gguf_name)
+    if match is None or match[2] not in arch.experts or match[3] != "weight":
+        return None
+    module = arch.experts[match[2]]
+    return [f"model.layers.{match[1]}.{module.format(e)}.weight" for e in range(count)]
 
 
 def _fused_group(gguf_name: str) -> tuple[str, str] | None:

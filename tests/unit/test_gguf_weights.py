@@ -1,5 +1,6 @@
-"""GGUF blocks read as QuantizedWeight: bit-exact against gguf's own dequantization; Qwen2, Qwen3
-and Phi-3 files laid out as llama.cpp's converter lays them out read back as their checkpoint."""
+"""GGUF blocks read as QuantizedWeight: bit-exact against gguf's own dequantization; Qwen2, Qwen3,
+Phi-3, Qwen3-MoE and Mixtral files laid out as llama.cpp's converter lays them out read back as
+their checkpoint."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pdserve.engine.config import load_model_config
 from pdserve.engine.gguf_weights import gguf_file, hf_name, iter_gguf, read_gguf
 from pdserve.engine.loader import split_fused
 from pdserve.kernels.quant_weights import QuantizedWeight, dequantize
-from tests.gguf_files import checkpoint, dequantized, write_gguf
+from tests.gguf_files import ROUTER, checkpoint, dequantized, llama_cpp_permute, write_gguf
 from tests.tiny_models import write_tiny_model
 
 Q = gguf.GGMLQuantizationType
@@ -63,12 +64,6 @@ def _reference(path: Path) -> dict[str, np.ndarray]:
             w = w.swapaxes(2, 1).reshape(-1, *w.shape[3:])
         out[hf_name(tensor.name)[0]] = np.array(w)
     return out
-
-
-def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's LlamaModel.permute: HF rows -> llama.cpp's RoPE order."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-        w.shape)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
@@ -119,9 +114,9 @@ def test_q_and_k_rows_return_to_hugging_face_order(tmp_path):
     q, k = _random(rng, (HIDDEN, HIDDEN)), _random(rng, (32, HIDDEN))
     bias = _random(rng, (HIDDEN,))
     path = _write(tmp_path / "m.gguf", {
-        "blk.2.attn_q.weight": (_llama_cpp_permute(q, HEADS), Q.F32),
-        "blk.2.attn_k.weight": (_llama_cpp_permute(k, KV_HEADS), Q.F32),
-        "blk.2.attn_q.bias": (_llama_cpp_permute(bias, HEADS), Q.F32)})
+        "blk.2.attn_q.weight": (llama_cpp_permute(q, HEADS), Q.F32),
+        "blk.2.attn_k.weight": (llama_cpp_permute(k, KV_HEADS), Q.F32),
+        "blk.2.attn_q.bias": (llama_cpp_permute(bias, HEADS), Q.F32)})
     loaded = dict(iter_gguf(path))
     assert torch.equal(loaded["model.layers.2.self_attn.q_proj.weight"], torch.from_numpy(q))
     assert torch.equal(loaded["model.layers.2.self_attn.k_proj.weight"], torch.from_numpy(k))
@@ -142,7 +137,8 @@ def test_a_refused_type_names_the_tensor_and_its_type(tmp_path):
 def test_other_architectures_and_unknown_tensors_are_refused(tmp_path):
     x = (np.ones(32, dtype=np.float32), Q.F32)
     with pytest.raises(ValueError, match="general.architecture is 'falcon'; pdserve reads "
-                                         "llama, qwen2, qwen3, phi3, gemma3 GGUF files"):
+                                         "llama, qwen2, qwen3, qwen3moe, phi3, gemma3 "
+                                         "GGUF files"):
         list(iter_gguf(_write(tmp_path / "f.gguf", {"output_norm.weight": x}, arch="falcon")))
     with pytest.raises(ValueError, match="GGUF tensor blk.0.ssm_a has no Hugging Face"):
         list(iter_gguf(_write(tmp_path / "u.gguf", {"blk.0.ssm_a": x})))
@@ -196,13 +192,17 @@ def test_smollm2_matches_its_converted_checkpoint(smollm2_dir, smollm2_gguf):
             assert torch.equal(dense, ref), name
 
 
-# --- Qwen2, Qwen3 and Phi-3 files as llama.cpp's converter writes them --------------------------
+# --- Qwen2, Qwen3, Phi-3, Qwen3-MoE and Mixtral files as llama.cpp's converter writes them -----
 
 LONGROPE = {"type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
             "long_factor": [2.0 + i for i in range(8)]}
 CONVERTED = {"qwen2": {}, "qwen3": {"head_dim": 32},  # head_dim != hidden / heads
              "phi3": {"pad_token_id": 0, "original_max_position_embeddings": 512,
-                      "rope_scaling": LONGROPE}}
+                      "rope_scaling": LONGROPE},
+             "qwen3_moe": {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                           "moe_intermediate_size": 32},
+             "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2,
+                         "intermediate_size": 64}}
 
 
 @pytest.fixture(scope="module")
@@ -216,16 +216,27 @@ def converted_dirs(tmp_path_factory):
 @pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0, Q.Q4_0], ids=lambda q: q.name)
 @pytest.mark.parametrize("arch", sorted(CONVERTED))
 def test_converted_file_reads_back_as_its_checkpoint(converted_dirs, arch, qtype):
-    """Every tensor is the checkpoint's: exactly in F32 (no q/k row permutation for these
-    NeoX-RoPE models), gguf-py's dequantization of its blocks in Q8_0 / Q4_0 (kept as blocks);
-    Phi-3's fused attn_qkv / ffn_up under Hugging Face's fused names, which the loader's
-    split_fused cuts by whole rows of blocks; the longrope factor tensors skipped."""
+    """Every tensor is the checkpoint's: exactly in F32 (Mixtral's q/k rows back in Hugging
+    Face order), gguf-py's dequantization of its blocks in Q8_0 / Q4_0 (kept as blocks, each
+    expert's too; the router F32); Phi-3's fused attn_qkv / ffn_up under Hugging Face's fused
+    names, which the loader's split_fused cuts by whole rows of blocks; the longrope factor
+    tensors skipped; stacked experts as one weight per expert."""
     model_dir = converted_dirs[arch]
     path = write_gguf(model_dir, qtype, f"{qtype.name}.gguf")
-    names = {t.name for t in read_gguf(path).tensors}
+    file = read_gguf(path)
+    names = {t.name for t in file.tensors}
     if arch == "phi3":  # what llama.cpp's converter writes for a Phi-3
         assert {"blk.1.attn_qkv.weight", "blk.1.ffn_up.weight", "rope_factors_long.weight",
                 "rope_factors_short.weight"} <= names and "blk.1.ffn_gate.weight" not in names
+    if arch in ("qwen3_moe", "mixtral"):  # ... for a Qwen3-MoE, and a Mixtral (as llama)
+        assert file.arch == {"qwen3_moe": "qwen3moe", "mixtral": "llama"}[arch]
+        assert file.metadata[f"{file.arch}.expert_count"] == 4
+        layer = {t.name: t for t in file.tensors if t.name.startswith("blk.1.ffn_")}
+        assert set(layer) == {"blk.1.ffn_norm.weight", "blk.1.ffn_gate_inp.weight",
+                              "blk.1.ffn_gate_exps.weight", "blk.1.ffn_up_exps.weight",
+                              "blk.1.ffn_down_exps.weight"}
+        assert layer["blk.1.ffn_gate_inp.weight"].kind == "F32"
+        assert layer["blk.1.ffn_down_exps.weight"].data.shape[0] == 4  # [experts, ...]
     reference = checkpoint(model_dir) if qtype == Q.F32 else dequantized(model_dir, qtype)
     assert sorted(name for name, _ in iter_gguf(path)) == sorted(reference)
     config = load_model_config(model_dir)
@@ -236,20 +247,47 @@ def test_converted_file_reads_back_as_its_checkpoint(converted_dirs, arch, qtype
         if isinstance(w, QuantizedWeight):
             assert (w.bits, w.group_size) == ({Q.Q8_0: 8, Q.Q4_0: 4}[qtype], 32), name
             w = dequantize(w)
-        else:
-            assert qtype == Q.F32 or w.dim() == 1, name  # only norms and biases stay dense
+        else:  # only norms, biases and the router stay dense
+            assert qtype == Q.F32 or w.dim() == 1 or ROUTER.fullmatch(name), name
         assert w.dtype == torch.float32 and torch.equal(w, want[name]), name
 
 
-def test_mixture_of_experts_files_are_refused(tmp_path):
+def test_other_mixture_of_experts_files_are_refused_by_architecture(tmp_path):
     x = (np.ones((4, 32, 32), dtype=np.float32), Q.F32)
-    with pytest.raises(ValueError, match="'qwen3moe' is a mixture-of-experts model; pdserve "
-                                         "reads dense GGUF files only"):
+    for arch in ("deepseek2", "gpt-oss"):
+        path = _write(tmp_path / f"{arch}.gguf", {"blk.0.ffn_gate_exps.weight": x}, arch=arch)
+        with pytest.raises(ValueError, match=rf"'{arch}' is a mixture-of-experts model \(tensor "
+                                             r"blk\.0\.ffn_gate_exps\.weight\); of those pdserve "
+                                             r"reads qwen3moe and llama \(Mixtral\) GGUF files"):
+            list(iter_gguf(path))
+    with pytest.raises(ValueError, match="'qwen2moe' is a mixture-of-experts model; "):
         list(iter_gguf(_write(tmp_path / "q.gguf", {"blk.0.attn_q.weight": x},
-                              arch="qwen3moe")))
-    with pytest.raises(ValueError, match=r"'llama' is a mixture-of-experts model \(tensor "
-                                         r"blk\.0\.ffn_gate_exps\.weight\)"):  # a Mixtral
-        list(iter_gguf(_write(tmp_path / "m.gguf", {"blk.0.ffn_gate_exps.weight": x})))
+                              arch="qwen2moe")))
+
+
+@pytest.mark.parametrize("down", [Q.Q4_1, Q.Q8_0, Q.Q5_0], ids=lambda q: q.name)
+def test_a_layers_experts_take_one_form(tmp_path, down):
+    """Gate and up of each expert are fused, and FusedExperts holds all of a layer's experts
+    quantized or none: blocks kept when the three stacks share one bit width, all dequantized
+    (gguf-py's values) when they do not."""
+    rng = np.random.default_rng(int(down))
+    stacks = {"blk.0.ffn_gate_exps.weight": (_random(rng, (3, FFN, HIDDEN)), Q.Q4_0),
+              "blk.0.ffn_up_exps.weight": (_random(rng, (3, FFN, HIDDEN)), Q.Q4_0),
+              "blk.0.ffn_down_exps.weight": (_random(rng, (3, HIDDEN, FFN)), down)}
+    path = _write(tmp_path / "m.gguf", stacks, arch="qwen3moe")
+    loaded = dict(iter_gguf(path))
+    part = {"gate": "gate_exps", "up": "up_exps", "down": "down_exps"}
+    assert sorted(loaded) == sorted(f"model.layers.0.mlp.experts.{e}.{p}_proj.weight"
+                                    for e in range(3) for p in part)
+    kept = down == Q.Q4_1  # 4 bits, as Q4_0
+    for tensor in gguf.GGUFReader(path).tensors:
+        ref = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        for e in range(3):
+            p = next(p for p, g in part.items() if g in tensor.name)
+            w = loaded[f"model.layers.0.mlp.experts.{e}.{p}_proj.weight"]
+            assert isinstance(w, QuantizedWeight) == kept, tensor.name
+            w = dequantize(w) if kept else w
+            assert torch.equal(w, torch.from_numpy(np.array(ref[e]))), (tensor.name, e)
 
 
 def test_a_fused_qkv_that_does_not_split_into_the_heads_is_refused():
