@@ -1,15 +1,16 @@
 """The router's ceiling, measured alone: a synthetic decode worker behind the real router.
 
     python -m benchmarks.router_throughput [--fronts grpc,http] [--streams 64,256]
-        [--router-processes 1,2,4] [--max-tokens 256] [--step-ms 5] [--duration 20]
-        [--profile]
+        [--router-processes 1,2,4] [--grpc-server h2,grpcio] [--max-tokens 256]
+        [--step-ms 5] [--duration 20] [--profile]
 
 Processes: the synthetic decode worker (benchmarks.synthetic_decode: no model, one
 StepOutputs per `step_ms` with a token for every running request, several steps merged into
 one message when a router reads slower, as a real decode worker does), N router processes
 (the real Router + RouterServer + OpenAI HTTP front, colocated mode: the router Submits to the
 decode worker; no prefill worker; the bundled SmolLM2 tokenizer; uvloop) sharing one gRPC and
-one HTTP port through SO_REUSEPORT as `pdserve up --router-processes N` does, and this one:
+one HTTP port through SO_REUSEPORT as `pdserve up --router-processes N` does (the gRPC port
+on each `--grpc-server` front in turn: the router's own HTTP/2, grpc.aio's), and this one:
 closed-loop streams of token-id prompts (max_tokens M, ignore_eos) over grpc.aio (4 streams
 per connection), or httpx SSE to /v1/completions (a connection per stream).
 
@@ -37,6 +38,7 @@ import argparse
 import asyncio
 import cProfile
 import io
+import itertools
 import json
 import logging
 import os
@@ -52,12 +54,13 @@ from benchmarks.synthetic_decode import Child, StepTokens, spawn, start_worker
 from pdserve.cluster_secret import ClusterSecret
 from pdserve.engine.default_model import ensure_default_model
 from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.router.config import GRPC_SERVERS
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def start_routers(count: int, secret: ClusterSecret, worker_address: str, http: bool,
-                  profile: bool) -> list[Child]:
+                  profile: bool, grpc_server: str = "h2") -> list[Child]:
     """`count` router processes sharing one gRPC and one HTTP port (SO_REUSEPORT: the kernel
     spreads connections over them, as `pdserve up --router-processes` does), each with its
     own subscription to the worker."""
@@ -65,7 +68,8 @@ def start_routers(count: int, secret: ClusterSecret, worker_address: str, http: 
     ports = (0, 0)  # the first router picks free ports; the others bind the same
     try:
         for _ in range(count):
-            routers.append(spawn(_router_main, secret, worker_address, http, profile, ports))
+            routers.append(spawn(_router_main, secret, worker_address, http, profile, ports,
+                                 grpc_server))
             ports = (routers[0].info["grpc_port"], routers[0].info["http_port"])
         return routers
     except BaseException:
@@ -75,15 +79,15 @@ def start_routers(count: int, secret: ClusterSecret, worker_address: str, http: 
 
 
 def _router_main(conn, secret: ClusterSecret, worker_address: str, http: bool,
-                 profile: bool, ports: tuple[int, int]) -> None:
+                 profile: bool, ports: tuple[int, int], grpc_server: str) -> None:
     import uvloop
 
     logging.basicConfig(level=logging.WARNING)
-    uvloop.run(_serve_router(conn, secret, worker_address, http, profile, ports))
+    uvloop.run(_serve_router(conn, secret, worker_address, http, profile, ports, grpc_server))
 
 
 async def _serve_router(conn, secret: ClusterSecret, worker_address: str, http: bool,
-                        profile: bool, ports: tuple[int, int]) -> None:
+                        profile: bool, ports: tuple[int, int], grpc_server: str) -> None:
     from pdserve.router.config import RouterConfig
     from pdserve.router.metrics import RouterMetrics
     from pdserve.router.openai.app import OpenAIApp
@@ -96,7 +100,7 @@ async def _serve_router(conn, secret: ClusterSecret, worker_address: str, http: 
     router = Router(model, RouterConfig(colocated=True, max_inflight_requests=1024),
                     RouterMetrics(), secret=secret)
     await router.add_worker("decode-0", "decode", worker_address)
-    server = RouterServer(router, "127.0.0.1", ports[0])
+    server = RouterServer(router, "127.0.0.1", ports[0], grpc_server=grpc_server)
     await router.wait_ready(timeout=60)
     await server.start()
     front = None
@@ -281,7 +285,7 @@ def run_phase(load: Load, routers: list[Child], worker: Child, vocab: StepTokens
     }
 
 
-COLUMNS = ("routers", "front", "streams", "tok_s", "offered_tok_s", "worker_steps_s",
+COLUMNS = ("routers", "grpc_server", "front", "streams", "tok_s", "offered_tok_s", "worker_steps_s",
            "tokens_per_message", "router_us_per_token", "router_cpu", "client_cpu",
            "worker_cpu", "p50_ms", "p99_ms", "ttft_p50_ms", "requests", "outcomes", "errors",
            "threads", "router_rss_mb")
@@ -302,8 +306,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=20.0, help="seconds of load per phase")
     p.add_argument("--router-processes", default="1",
                    help="comma list of router process counts, e.g. 1,2,4")
+    p.add_argument("--grpc-server", default="h2",
+                   help="comma list of the gRPC fronts to run: h2 (the router's own), grpcio")
     p.add_argument("--profile", action="store_true", help="run the router under cProfile")
     args = p.parse_args(argv)
+    args.grpc_server = args.grpc_server.split(",")
+    if not set(args.grpc_server) <= set(GRPC_SERVERS):
+        p.error(f"--grpc-server takes {', '.join(GRPC_SERVERS)}")
     args.fronts = args.fronts.split(",")
     args.streams = [int(n) for n in args.streams.split(",")]
     args.router_processes = [int(n) for n in args.router_processes.split(",")]
@@ -327,15 +336,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"profile {'on' if args.profile else 'off'}")
     print("  ".join(COLUMNS))
     try:
-        for count in args.router_processes:
+        for grpc_server, count in itertools.product(args.grpc_server, args.router_processes):
             routers = start_routers(count, secret, worker.info["address"],
-                                    "http" in args.fronts, args.profile)
+                                    "http" in args.fronts, args.profile, grpc_server)
             try:
                 for front in args.fronts:
                     for streams in args.streams:
                         load = Load(front, streams, args.max_tokens, prompt, args.duration)
-                        results.append({"routers": count, **run_phase(
-                            load, routers, worker, vocab, args.step_ms)})
+                        results.append({"routers": count, "grpc_server": grpc_server,
+                                        **run_phase(load, routers, worker, vocab, args.step_ms)})
                         print(_row(results[-1]), flush=True)
             finally:
                 answers += [r.stop() for r in routers]

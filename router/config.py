@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PREFILL_PLACEMENTS = ("adaptive", "fixed")
+# the public gRPC front: the router's own HTTP/2 (router.h2) or grpc.aio's server
+GRPC_SERVERS = ("h2", "grpcio")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Status codes: INVALID_ARGUMENT names the field; RESOURCE_EXHAUSTED when the admi
 is full or no decode worker finds KV room in time; UNAVAILABLE when a worker holding the
 request dies or none is up, and for a new request while the service drains (`drain`);
 DEADLINE_EXCEEDED past the server's own cap (`max_timeout_s`),
-whatever deadline the client gave. TLS (and client certificates) when `tls` is given.
+whatever deadline the client gave. TLS (and client certificates) when `tls` is given. The
+router's own HTTP/2 front (router.h2) serves the methods, or grpc.aio's (`grpc_server`).
 GetStats reports loads, never worker addresses (the worker plane is not the public's).
 Health: "" and "pdserve.v1.Inference" are SERVING while at least one decode and (unless
 colocated) one prefill worker are up and the router is not draining; "pdserve.redis" is
@@ -32,6 +33,8 @@ from pdserve.address import host_port
 from pdserve.proto import pdserve_pb2, worker_pb2
 from pdserve.router.admission import Overloaded, ShuttingDown
 from pdserve.router.auth import APITokens, authorized, call_tenant
+from pdserve.router.config import GRPC_SERVERS
+from pdserve.router.grpcio_server import GrpcioServer
 from pdserve.router.h2.call import CallEnded
 from pdserve.router.h2.server import GrpcServer, Method
 from pdserve.router.placement import NoCapacity, TTFTUnmeetable
@@ -209,19 +212,29 @@ def _serialize(message) -> bytes:
     return message.SerializeToString()
 
 
+FRONTS = dict(zip(GRPC_SERVERS, (GrpcServer, GrpcioServer), strict=True))
+
+
 class RouterServer:
     """The gRPC server around a Router, plus the loop that keeps health and gauges current."""
 
     def __init__(self, router: Router, host: str = defaults.HOST, port: int = 0,
                  api_tokens: APITokens | str | Sequence[str] | None = None, *,
                  tls: TLSFiles | None = None, limits: RequestLimits = DEFAULT_LIMITS,
-                 max_timeout_s: float = defaults.GRPC_TIMEOUT_S) -> None:
+                 max_timeout_s: float = defaults.GRPC_TIMEOUT_S,
+                 grpc_server: str = "h2") -> None:
+        """`grpc_server`: which front serves the methods, "h2" (the router's own) or
+        "grpcio" (grpc.aio's server)."""
+        if grpc_server not in FRONTS:
+            raise ValueError(f"grpc_server must be one of {', '.join(FRONTS)}, "
+                             f"got {grpc_server!r}")
         self.router = router
         tokens = APITokens.of(api_tokens)
         self.health = health.aio.HealthServicer()
         servicer = InferenceServicer(router, tokens, limits, max_timeout_s)
-        self.server = GrpcServer(_methods(servicer, self.health),
-                                 authorize=partial(authorized, tokens) if tokens else None)
+        self.server = FRONTS[grpc_server](
+            _methods(servicer, self.health),
+            authorize=partial(authorized, tokens) if tokens else None)
         self.port = self.server.bind(host, port)
         self.address = host_port(host, self.port)
         self._tls = tls

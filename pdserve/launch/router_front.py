@@ -37,6 +37,7 @@ class RouterSpec:
     http_port: int  # 0: no HTTP front
     grpc_timeout_s: float
     http_timeout_s: float
+    grpc_server: str  # the public gRPC front: "h2" or "grpcio"
     tls: TLSFiles | None  # the public fronts'
     worker_tls: TLSFiles | None  # the worker plane's mutual TLS
     redis_url: str = field(repr=False)  # may hold the password
@@ -81,7 +82,8 @@ def router_spec(s, model_path: str, model_name: str, redis_url: str, tls: TLSFil
         model_path=model_path, model_name=model_name, dtype=s.dtype,
         max_model_len=s.max_model_len, config=config, limits=limits, host=s.host,
         port=s.port, http_port=s.http_port, grpc_timeout_s=s.grpc_timeout_s,
-        http_timeout_s=s.http_timeout_s, tls=tls, worker_tls=worker_tls,
+        http_timeout_s=s.http_timeout_s, grpc_server=s.grpc_server, tls=tls,
+        worker_tls=worker_tls,
         redis_url=redis_url, redis_namespace=s.redis_namespace,
         session_ttl_s=s.session_ttl_s, session_max_tokens=s.session_max_tokens,
         max_sessions_per_tenant=s.max_sessions_per_token,
@@ -126,7 +128,8 @@ class RouterFronts:
             for worker_id, role, address in workers:
                 await router.add_worker(worker_id, role, address)
             server = RouterServer(router, spec.host, spec.port, spec.api_tokens, tls=spec.tls,
-                                  limits=spec.limits, max_timeout_s=spec.grpc_timeout_s)
+                                  limits=spec.limits, max_timeout_s=spec.grpc_timeout_s,
+                                  grpc_server=spec.grpc_server)
         except BaseException:  # e.g. the port is taken: nothing of this router stays behind
             await router.close()
             await store.close()

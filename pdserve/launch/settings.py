@@ -28,7 +28,7 @@ from pdserve.bench.metrics import SLO, parse_slo
 from pdserve.engine.config import CacheConfig, LoRAConfig, check_cuda_graph_sizes
 from pdserve.engine.spec.config import parse_speculative_config
 from pdserve.redis_keys import DEFAULT_NAMESPACE
-from pdserve.router.config import PREFILL_PLACEMENTS
+from pdserve.router.config import GRPC_SERVERS, PREFILL_PLACEMENTS
 from pdserve.router.lora_adapters import parse_lora_modules
 from pdserve.router.reasoning import check_parser
 from pdserve.router.tools import TOOL_PARSERS
@@ -126,6 +126,10 @@ class ServeSettings:
                                  "longest an HTTP request may run (caps a client's timeout)")
     grpc_timeout_s: float = _opt(defaults.GRPC_TIMEOUT_S,
                                  "longest a gRPC Generate may run (caps a client's deadline)")
+    grpc_server: str = _opt(
+        "h2", "the public gRPC front: h2 (the router's own HTTP/2 server on its event loop: "
+        "a message is a frame in the connection's next write) | grpcio (grpc.aio's server: "
+        "grpc's C core, about 30-50 us of CPU more per streamed message)")
     router_processes: int | None = _opt(
         None, "router processes sharing the gRPC and HTTP ports and the workers (SO_REUSEPORT; "
         "default: one per 16 cores this process may use, 1 to 8)")
@@ -227,6 +231,9 @@ class ServeSettings:
         if self.prefill_placement not in PREFILL_PLACEMENTS:
             raise ValueError(f"prefill_placement must be adaptive or fixed, got "
                              f"{self.prefill_placement!r}")
+        if self.grpc_server not in GRPC_SERVERS:
+            raise ValueError(f"grpc_server must be one of {', '.join(GRPC_SERVERS)}, got "
+                             f"{self.grpc_server!r}")
         for name in ("port", "metrics_port", "http_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")

@@ -80,7 +80,7 @@ class GrpcServer:
     def bind(self, host: str, port: int) -> int:
         """Bind host:port (0: a free port); the port bound. Several processes may bind the
         same port (SO_REUSEPORT): the kernel spreads connections over them."""
-        self._sockets += _bind(host.strip("[]"), port)
+        self._sockets += bind_sockets(host.strip("[]"), port)
         return self._sockets[0].getsockname()[1]
 
     async def start(self, tls: TLSFiles | None = None) -> None:
@@ -205,7 +205,7 @@ def _unbase64(value: bytes) -> bytes:
     return value
 
 
-def _bind(host: str, port: int) -> list[socket.socket]:
+def bind_sockets(host: str, port: int) -> list[socket.socket]:
     """Listening sockets for every address of `host`, all on one port (the first one's when 0)."""
     sockets: list[socket.socket] = []
     try:

@@ -2,7 +2,8 @@
 
 The package's shared service (tests/e2e/conftest.py): 1 prefill worker on the "prefill" node,
 1 decode worker on the "decode" node, the router and a bundled redis-server, serving a tiny
-random Llama.
+random Llama. Every test runs twice: on that service's gRPC front (the router's own HTTP/2)
+and on a service alike but for its front, grpc.aio's server (`--grpc-server grpcio`).
 """
 
 from __future__ import annotations
@@ -22,15 +23,33 @@ from pdserve.engine.block_hash import hash_blocks
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto import pdserve_pb2, raw_pb2
 from pdserve.router.metrics_text import sample_value
-from tests.e2e.harness import MAX_INFLIGHT, MAX_QUEUED, health, raw_generate, stats, wait_until
+from tests.e2e.harness import (
+    MAX_INFLIGHT,
+    MAX_QUEUED,
+    health,
+    raw_generate,
+    running,
+    stats,
+    tiny_settings,
+    wait_until,
+)
 from tests.integration.hf_reference import mixed_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def service(tiny_service):
-    return tiny_service
+@pytest.fixture(scope="module", params=["h2", "grpcio"])
+def service(request, ray_cluster, tiny_llama_dir):
+    """The package's shared service (the router's own HTTP/2 front), then one alike but for
+    its gRPC front: grpc.aio's server (`--grpc-server grpcio`)."""
+    if request.param == "h2":
+        yield request.getfixturevalue("tiny_service")
+        return
+    settings = tiny_settings(tiny_llama_dir, ray_cluster.address, grpc_server="grpcio",
+                             max_inflight_requests=MAX_INFLIGHT, max_queued_requests=MAX_QUEUED,
+                             redis_namespace="e2e-grpcio")
+    with running(settings) as service:
+        yield service
 
 
 

@@ -1,4 +1,7 @@
-"""The router's own HTTP/2 gRPC front (pdserve.router.h2) driven by real gRPC clients.
+"""The router's gRPC fronts driven by real gRPC clients: its own HTTP/2 server
+(pdserve.router.h2) and, with `--grpc-server grpcio`, grpc.aio's (router.grpcio_server), each
+test on both, the same method table on each; where the fronts word a status's details their
+own way, DETAILS holds both.
 
 test_h2_protocol.py checks the server frame by frame with hand-written frames; here the
 clients are grpcio's C-core (`grpc.aio` channels, the generated health and reflection stubs,
@@ -34,7 +37,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from pdserve.router.h2.limits import Limits
-from pdserve.router.h2.server import GrpcServer, Method
+from pdserve.router.h2.server import Method
+from pdserve.router.server import FRONTS
 from pdserve.tls import TLSFiles
 from tests.certs import write_pki
 
@@ -51,6 +55,17 @@ BIG_COUNT, BIG_SIZE = 200, 100 * 1024
 MIB = 1024 * 1024
 MAX_MESSAGE = 4 * MIB  # the server's request size limit (grpc's servers' default)
 FRESH = ("grpc.use_local_subchannel_pool", 1)  # a channel of its own: a new TCP connection
+# The details each front gives where the status is the same but the words are its own:
+# grpc.aio's server words them as grpc's C core does
+DETAILS = {
+    "h2": {"boom": "Unexpected RuntimeError: boom", "unknown": f"method /{SERVICE}/Nope not found",
+           "oversized": f"request message of {5 * MIB} bytes is over the {MAX_MESSAGE}-byte limit",
+           "stopped": "the server is shutting down"},
+    "grpcio": {"boom": "Unexpected <class 'RuntimeError'>: boom", "unknown": "Method not found!",
+               "oversized": f"SERVER: Received message larger than max ({5 * MIB} vs. "
+                            f"{MAX_MESSAGE})",
+               "stopped": "Cancelling all calls"},
+}
 
 
 def big_message(i: int) -> bytes:
@@ -133,10 +148,16 @@ class Stand:
         }
 
 
+@pytest.fixture(params=sorted(FRONTS))
+def front(request) -> str:
+    """Each test runs against both fronts: the router's own and grpc.aio's server."""
+    return request.param
+
+
 @contextlib.asynccontextmanager
-async def served(stand: Stand, tls: TLSFiles | None = None, port: int = 0):
-    """A started GrpcServer for `stand`'s methods; yields (server, port)."""
-    server = GrpcServer(stand.methods(), limits=Limits(max_message=MAX_MESSAGE))
+async def served(stand: Stand, front: str, tls: TLSFiles | None = None, port: int = 0):
+    """A started server of kind `front` for `stand`'s methods; yields (server, port)."""
+    server = FRONTS[front](stand.methods(), limits=Limits(max_message=MAX_MESSAGE))
     port = server.bind("127.0.0.1", port)
     await server.start(tls)
     try:
@@ -172,11 +193,11 @@ async def eventually(predicate, within: float) -> bool:
 
 # ---- 1. reflection ----
 
-def test_reflection_bidi_lists_services_and_files_in_order():
+def test_reflection_bidi_lists_services_and_files_in_order(front):
     ask = reflection_pb2.ServerReflectionRequest
 
     async def main():
-        async with served(Stand()) as (_, port), channel(port) as ch:
+        async with served(Stand(), front) as (_, port), channel(port) as ch:
             call = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo()
             listed = ask(list_services="")
             await call.write(listed)
@@ -207,14 +228,14 @@ def test_reflection_bidi_lists_services_and_files_in_order():
 
 # ---- 2. health ----
 
-def test_health_watch_follows_set_and_cancel_ends_the_handler():
+def test_health_watch_follows_set_and_cancel_ends_the_handler(front):
     stand = Stand()
     name = "pdserve.v1.Inference"
     request = health_pb2.HealthCheckRequest
 
     async def main():
         await stand.health.set(name, SERVING)
-        async with served(stand) as (_, port), channel(port) as ch:
+        async with served(stand, front) as (_, port), channel(port) as ch:
             stub = health_pb2_grpc.HealthStub(ch)
             checked = (await stub.Check(request(service=""), timeout=2)).status
             watch = stub.Watch(request(service=name))
@@ -237,11 +258,11 @@ def test_health_watch_follows_set_and_cancel_ends_the_handler():
 
 # ---- 3. client deadline ----
 
-def test_client_deadline_gives_deadline_exceeded_and_cancels_the_handler():
+def test_client_deadline_gives_deadline_exceeded_and_cancels_the_handler(front):
     stand = Stand()
 
     async def main():
-        async with served(stand) as (_, port), channel(port) as ch:
+        async with served(stand, front) as (_, port), channel(port) as ch:
             start = time.monotonic()
             error = await failure(ch.unary_unary(SLEEP)(b"", timeout=0.3))
             elapsed = time.monotonic() - start
@@ -256,9 +277,9 @@ def test_client_deadline_gives_deadline_exceeded_and_cancels_the_handler():
 
 # ---- 4. status codes ----
 
-def test_status_codes_and_details_reach_the_client():
+def test_status_codes_and_details_reach_the_client(front):
     async def main():
-        async with served(Stand()) as (_, port), channel(port) as ch:
+        async with served(Stand(), front) as (_, port), channel(port) as ch:
             return [await failure(ch.unary_unary(path)(payload, timeout=2)) for path, payload in
                     ((ABORT, ABORT_DETAILS.encode()), (ABORT, ESCAPES.encode()), (BOOM, b""),
                      (f"/{SERVICE}/Nope", b""), (PARSE, b"\xff\xff\xff"))]
@@ -268,9 +289,9 @@ def test_status_codes_and_details_reach_the_client():
     assert aborted.details() == ABORT_DETAILS
     assert escapes.details() == ESCAPES
     assert boom.code() == grpc.StatusCode.UNKNOWN
-    assert boom.details() == "Unexpected RuntimeError: boom"
+    assert boom.details() == DETAILS[front]["boom"]
     assert unknown.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert unknown.details() == f"method /{SERVICE}/Nope not found"
+    assert unknown.details() == DETAILS[front]["unknown"]
     assert unparsable.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert unparsable.details() == f"the request is not a valid message for {PARSE}"
 
@@ -282,9 +303,9 @@ def test_status_codes_and_details_reach_the_client():
 @pytest.mark.parametrize("options", [(), (("grpc.http2.max_frame_size", 16384),
                                           ("grpc.http2.bdp_probe", 0))],
                          ids=["core-defaults", "small-frames-and-windows"])
-def test_large_server_stream_arrives_whole_and_in_order(options):
+def test_large_server_stream_arrives_whole_and_in_order(front, options):
     async def main():
-        async with served(Stand()) as (_, port), channel(port, *options) as ch:
+        async with served(Stand(), front) as (_, port), channel(port, *options) as ch:
             call = ch.unary_stream(BIG)(b"", timeout=4)
             received = [message async for message in call]
             return received, await call.code()
@@ -298,14 +319,14 @@ def test_large_server_stream_arrives_whole_and_in_order(options):
 
 # ---- 6. large requests ----
 
-def test_large_request_echoed_and_oversized_request_refused():
+def test_large_request_echoed_and_oversized_request_refused(front):
     big = bytes(range(256)) * (3 * MIB // 256)
     huge = b"\x07" * (5 * MIB)
     options = (("grpc.max_receive_message_length", 8 * MIB),
                ("grpc.max_send_message_length", 8 * MIB))
 
     async def main():
-        async with served(Stand()) as (_, port), channel(port, *options) as ch:
+        async with served(Stand(), front) as (_, port), channel(port, *options) as ch:
             echoed = await ch.unary_unary(ECHO)(big, timeout=3)
             refused = await failure(ch.unary_unary(ECHO)(huge, timeout=3))
             after = await ch.unary_unary(ECHO)(b"still fine", timeout=2)
@@ -314,8 +335,7 @@ def test_large_request_echoed_and_oversized_request_refused():
     echoed, refused, after = run(main)
     assert len(echoed) == len(big) and echoed == big
     assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert refused.details() == (f"request message of {5 * MIB} bytes is over the "
-                                 f"{MAX_MESSAGE}-byte limit")
+    assert refused.details() == DETAILS[front]["oversized"]
     assert after == b"still fine"  # the connection survived the refusal
 
 
@@ -342,9 +362,10 @@ async def _echo_or_code(ch: grpc.aio.Channel, payload: bytes):
             return exc.code()
 
 
-def test_tls_server_serves_h2_over_alpn(pki):
+def test_tls_server_serves_h2_over_alpn(front, pki):
     async def main():
-        async with served(Stand(), tls=TLSFiles(pki.server_cert, pki.server_key)) as (_, port):
+        tls = TLSFiles(pki.server_cert, pki.server_key)
+        async with served(Stand(), front, tls=tls) as (_, port):
             secure = await _echo_or_code(_secure(port, pki.ca), b"over tls")
             plain = await _echo_or_code(channel(port), b"plaintext")
             return secure, plain
@@ -354,10 +375,10 @@ def test_tls_server_serves_h2_over_alpn(pki):
     assert plain == grpc.StatusCode.UNAVAILABLE
 
 
-def test_tls_with_client_ca_requires_a_client_certificate(pki):
+def test_tls_with_client_ca_requires_a_client_certificate(front, pki):
     async def main():
         tls = TLSFiles(pki.server_cert, pki.server_key, pki.ca)
-        async with served(Stand(), tls=tls) as (_, port):
+        async with served(Stand(), front, tls=tls) as (_, port):
             anonymous = await _echo_or_code(_secure(port, pki.ca), b"no cert")
             known = await _echo_or_code(
                 _secure(port, pki.ca, pki.client_cert, pki.client_key), b"with cert")
@@ -370,7 +391,7 @@ def test_tls_with_client_ca_requires_a_client_certificate(pki):
 
 # ---- 8. SO_REUSEPORT ----
 
-def test_two_servers_share_a_port():
+def test_two_servers_share_a_port(front):
     first, second = Stand(server_id=b"A"), Stand(server_id=b"B")
 
     async def ask(port: int) -> bytes:
@@ -378,7 +399,8 @@ def test_two_servers_share_a_port():
             return await ch.unary_unary(ID)(b"", timeout=2)
 
     async def main():
-        async with served(first) as (a, port), served(second, port=port) as (_, same):
+        async with (served(first, front) as (a, port),
+                    served(second, front, port=port) as (_, same)):
             seen = []
             while len(seen) < 200 and (len(seen) < 20 or len(set(seen)) < 2):
                 seen.append(await ask(port))
@@ -394,11 +416,11 @@ def test_two_servers_share_a_port():
 
 # ---- 9. graceful stop ----
 
-def test_graceful_stop_ends_running_stream_after_grace_and_refuses_new_channels():
+def test_graceful_stop_ends_running_stream_after_grace_and_refuses_new_channels(front):
     stand = Stand()
 
     async def main():
-        async with served(stand) as (server, port):
+        async with served(stand, front) as (server, port):
             async with channel(port) as ch:
                 call = ch.unary_stream(TICK)(b"", timeout=5)
                 await call.read()
@@ -420,7 +442,7 @@ def test_graceful_stop_ends_running_stream_after_grace_and_refuses_new_channels(
 
     error, code, details, received, ticks, ended, late = run(main)
     assert error is not None and code == grpc.StatusCode.UNAVAILABLE
-    assert details == "the server is shutting down"
+    assert details == DETAILS[front]["stopped"]
     assert 0.45 <= ended < 1.5, ended
     assert received >= 10 and ticks >= 10, "the stream did not run on during the grace"
     assert late == grpc.StatusCode.UNAVAILABLE

@@ -1,11 +1,16 @@
-"""The router's API-token check in front of the real gRPC front (GrpcServer), isolated from the
-router itself: stand-in handlers answer."""
+"""The router's API-token check in front of the real gRPC fronts (the router's own and
+grpc.aio's), isolated from the router itself: stand-in handlers answer."""
 
 from __future__ import annotations
 
+import pytest
 
-def test_api_token_is_required_when_configured():
-    """`authorized` in front of a real GrpcServer over a socket: pdserve.v1 needs the token,
+from pdserve.router.server import FRONTS
+
+
+@pytest.mark.parametrize("front", sorted(FRONTS))
+def test_api_token_is_required_when_configured(front):
+    """`authorized` in front of a real gRPC front over a socket: pdserve.v1 needs the token,
     health stays open."""
     import asyncio
     from functools import partial
@@ -15,7 +20,7 @@ def test_api_token_is_required_when_configured():
     from pdserve.client import AsyncClient, PdserveError
     from pdserve.proto import pdserve_pb2
     from pdserve.router.auth import APITokens, authorized
-    from pdserve.router.h2.server import GrpcServer, Method
+    from pdserve.router.h2.server import Method
 
     async def get_stats(request, context):
         return pdserve_pb2.Stats(num_queued=7)
@@ -29,7 +34,7 @@ def test_api_token_is_required_when_configured():
     async def run():
         checker = health.aio.HealthServicer()
         service = "/pdserve.v1.Inference"
-        server = GrpcServer({
+        server = FRONTS[front]({
             f"{service}/GetStats": Method("unary", get_stats,
                                           pdserve_pb2.GetStatsRequest.FromString, serialize),
             f"{service}/Generate": Method("stream", generate,
@@ -63,8 +68,6 @@ def test_api_token_is_required_when_configured():
 
 
 def test_api_tokens_name_each_caller_s_tenant():
-    import pytest
-
     from pdserve.redis_keys import PUBLIC_TENANT
     from pdserve.router.auth import APITokens, call_tenant, tenant_of
 

@@ -76,6 +76,7 @@ def test_spec_goes_through_json_whole_and_hides_its_secrets_from_repr(tmp_path):
         model_path="/m", model_name="m", dtype="auto", max_model_len=512,
         config=RouterConfig(block_size=32, colocated=True), limits=RequestLimits(3, 9, 4),
         host="127.0.0.1", port=5001, http_port=5002, grpc_timeout_s=7.0, http_timeout_s=8.0,
+        grpc_server="grpcio",
         tls=tls, worker_tls=None, redis_url="redis://:pw-in-url@h:1/0", redis_namespace="ns",
         session_ttl_s=9, session_max_tokens=99, max_sessions_per_tenant=5,
         redis_password="redis-pw", api_tokens=("tok-a", "tok-b"))

@@ -18,7 +18,8 @@ NON_BOOL = [f.name for f in FIELDS if not isinstance(f.default, bool)]
 # fields with a fixed set of values: too few for the three-layer precedence test
 CHOICES = {"mode": ("disaggregated", "colocated"), "tool_call_parser": ("hermes", "llama3_json"),
            "reasoning_parser": ("deepseek_r1", "qwen3"),
-           "scheduling_policy": ("srpt", "fcfs"), "prefill_placement": ("adaptive", "fixed")}
+           "scheduling_policy": ("srpt", "fcfs"), "prefill_placement": ("adaptive", "fixed"),
+           "grpc_server": ("h2", "grpcio")}
 # text fields whose values have a form: valid samples
 SAMPLES = {"speculative_config": [f'{{"method": "ngram", "num_speculative_tokens": {n}}}'
                                   for n in (1, 2, 3)],
