@@ -13,7 +13,8 @@ a message to a recipient (a tool call) is neither; a reply cut inside a message 
 that message wrote (a reply cut before `final` is all reasoning). The markers are special
 tokens: the router detokenizes these replies with special tokens kept (router.stream) and this
 scanner drops every one, so neither part ever holds a marker. A reply that opens with anything
-but a marker (blanks aside) is content until a marker comes: one with none is all content.
+but a marker or a recipient (" to=", the header's rest: blanks aside) is content until a
+marker comes: one with none is all content.
 
 `scan` has router.reasoning's contract (it decides as far as it can, says what it consumed
 and the mode to go on in), so `split` and `ReasoningStream` read harmony replies unchanged; a
@@ -42,6 +43,10 @@ _MAYBE_MARKER = re.compile(r"<(?:\|[a-z_0-9]*\|?)?")  # a marker's beginning: he
 _LONGEST_MARKER = len("<|reserved_201087|>")
 _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
 _RECIPIENT = re.compile(r"\bto=")
+# the prompt ends with "<|start|>assistant", so a header that names its recipient before its
+# channel ("<|start|>assistant to=functions.f<|channel|>commentary json<|message|>", as
+# gpt-oss's chat template writes tool calls) begins the reply with this
+RECIPIENT_FIRST = "to="
 
 
 def is_harmony(mode: str | None) -> bool:
@@ -94,11 +99,14 @@ def scan(text: str, mode: str, final: bool) -> tuple[str, str, int, str]:
     parts, pos = _Parts(kinds), 0
     if state == START:
         start = len(text) - len(text.lstrip())
-        if not final and (start == len(text) or _MAYBE_MARKER.fullmatch(text, start)):
-            # blank so far, or a marker's beginning ("<|cha")
+        if not final and (start == len(text) or _MAYBE_MARKER.fullmatch(text, start)
+                          or RECIPIENT_FIRST.startswith(text[start:])):
+            # blank so far, or a marker's beginning ("<|cha"), or "to" of "to="
             return parts.result(0, START)
         if MARKER.match(text, start):
             state, pos = NEITHER, start  # the marker decides (blanks before it go)
+        elif text.startswith(RECIPIENT_FIRST, start):
+            state, pos = HEADER, start  # the header goes on: a recipient before the channel
         else:
             state = CONTENT
             parts.open(CONTENT)

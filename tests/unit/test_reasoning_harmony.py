@@ -59,6 +59,10 @@ EXAMPLES = [
     (f"<|channel|>secret<|message|>s<|end|>{FINAL}f", None, "f"),  # unknown channel
     ("<|message|>no channel", None, ""),
     (f"{ANALYSIS}<|reserved_200017|>r<|end|>", "r", ""),
+    # the reply's first header names its recipient before its channel: a call, neither part
+    (' to=functions.f<|channel|>commentary json<|message|>{"a":1}<|call|>', None, ""),
+    (" to=functions.f<|channel|>comm", None, ""),  # cut inside that header
+    ("to be or not", None, "to be or not"),  # no recipient: content
 ]
 
 
