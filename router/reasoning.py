@@ -64,10 +64,11 @@ def enable_thinking(template_kwargs: Mapping[str, Any]) -> bool:
 
 
 def first_mode(parser: str | None, thinking: bool = True,
-               constrained: bool = False) -> str | None:
+               constrained: bool = False, calls: bool = False) -> str | None:
     """The scanner's first mode for one chat reply; None: no split (no parser, or thinking
-    turned off by the request). ValueError for thinking turned off where it means nothing:
-    gpt-oss always reasons (its template reads `reasoning_effort` instead)."""
+    turned off by the request). `calls`: the reply's calls to functions are read (harmony's
+    with `--tool-call-parser openai`). ValueError for thinking turned off where it means
+    nothing: gpt-oss always reasons (its template reads `reasoning_effort` instead)."""
     check_parser(parser)
     if parser is None:
         return None
@@ -78,7 +79,8 @@ def first_mode(parser: str | None, thinking: bool = True,
                              'gpt-oss\'s reasoning (openai_gptoss always reasons): set '
                              'reasoning_effort "low" to shorten it, or include_reasoning false '
                              'to leave it out of the answer')
-        return first  # a reply a grammar shapes holds no marker: all content anyway
+        # a reply a grammar shapes holds no marker: all content anyway
+        return harmony.FIRST_MODE_CALLS if calls else first
     if not thinking:
         return None
     return START_CONTENT if constrained else first

@@ -22,6 +22,7 @@ concept of tool calling, and they share the call shapes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -34,6 +35,7 @@ from typing import Any
 from jsonschema.exceptions import SchemaError
 from jsonschema.validators import Draft202012Validator, validator_for
 
+from pdserve.router import harmony
 from pdserve.router.invalid_argument import BadParameter
 
 logger = logging.getLogger(__name__)
@@ -441,6 +443,38 @@ def _scan_required(text: str, mode: str, final: bool) -> tuple[list[Item], int, 
     return items, len(text), "done"
 
 
+def _scan_openai(text: str, mode: str, final: bool) -> tuple[list[Item], int, str]:
+    """gpt-oss's calls, which router.harmony frames in the content as
+    `<|start|>functions.NAME<|message|>ARGUMENTS<|call|>` (`--reasoning-parser openai_gptoss`
+    reads the harmony reply first); the text around them is content. Arguments that are not
+    a JSON object leave the call's text as content. One mode ("start"): the frames carry no
+    state across scans."""
+    items: list[Item] = []
+    pos = 0
+    while True:
+        start = text.find(harmony.CALL_OPEN, pos)
+        if start == -1:
+            end = len(text) if final else len(text) - _overlap(text[pos:], harmony.CALL_OPEN)
+            items += [text[pos:end]] if end > pos else []
+            return items, end, mode
+        items += [text[pos:start]] if start > pos else []
+        close = text.find(harmony.CALL_CLOSE, start)
+        if close == -1:  # harmony closes every frame it opens, at the latest when the reply ends
+            return items, start, mode
+        name, _, arguments = text[start + len(harmony.CALL_OPEN):close].partition(
+            harmony.MESSAGE)
+        call = None
+        with contextlib.suppress(ValueError, RecursionError):  # model output never raises
+            call = _call({"name": name.removeprefix("functions."),
+                          "arguments": json.loads(arguments)}, "arguments")
+        if call is None:
+            logger.debug("openai: a call whose arguments are no JSON object stays content")
+            items.append(arguments)
+        else:
+            items.append(call)
+        pos = close + len(harmony.CALL_CLOSE)
+
+
 class HermesToolParser(ToolParser):
     scan = staticmethod(_scan_hermes)
 
@@ -453,8 +487,13 @@ class RequiredToolParser(ToolParser):
     scan = staticmethod(_scan_required)
 
 
+class OpenAIToolParser(ToolParser):
+    scan = staticmethod(_scan_openai)
+
+
 TOOL_PARSERS: Mapping[str, type[ToolParser]] = MappingProxyType(
-    {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser})
+    {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
+     "openai": OpenAIToolParser})
 
 
 def read_reply(req: ToolRequest, parser: str, text: str) -> tuple[str | None, list[ToolCall]]:

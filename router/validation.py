@@ -215,8 +215,11 @@ def validate(request: pdserve_pb2.GenerateRequest, model: ModelContext,
     except ValueError as exc:
         raise InvalidArgument(f"sampling.{exc}") from None
     try:
-        reasoning = first_mode(model.reasoning_parser, enable_thinking(template_kwargs),
-                               params.structured_outputs is not None) if request.messages else None
+        reasoning = first_mode(
+            model.reasoning_parser, enable_thinking(template_kwargs),
+            params.structured_outputs is not None,
+            calls=model.tool_call_parser == "openai" and tools is not None
+            and tools.choice == "auto") if request.messages else None
     except ValueError as exc:  # thinking turned off where it cannot be
         raise InvalidArgument(str(exc)) from None
     return ValidRequest(request_id, tuple(prompt_ids), params, session_id,

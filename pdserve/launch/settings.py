@@ -148,7 +148,8 @@ class ServeSettings:
         None, "PEM CA bundle that signed --cluster-tls-cert (workers and router verify it)")
     tool_call_parser: str = _opt(
         "hermes", "how the model writes tool calls (tool_choice auto): hermes (Hermes, Qwen "
-        "2.5 / 3) | llama3_json (Llama 3.1 / 3.2)")
+        "2.5 / 3) | llama3_json (Llama 3.1 / 3.2) | openai (gpt-oss's harmony messages to "
+        "functions.NAME; needs --reasoning-parser openai_gptoss)")
     reasoning_parser: str | None = _opt(
         None, "split a chat reply's <think>...</think> reasoning from its answer "
         "(reasoning_content apart from content, tool calls read from the answer): deepseek_r1 "
@@ -256,6 +257,10 @@ class ServeSettings:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got "
                              f"{self.tool_call_parser!r}")
         check_parser(self.reasoning_parser)
+        if self.tool_call_parser == "openai" and self.reasoning_parser != "openai_gptoss":
+            raise ValueError("tool_call_parser openai reads the calls reasoning_parser "
+                             "openai_gptoss finds in gpt-oss's harmony reply: set both, got "
+                             f"reasoning_parser {self.reasoning_parser!r}")
         if self.ttft_slo_s() is None and self.early_rejection:  # parses slo either way
             raise ValueError("early_rejection needs a TTFT bound to hold requests to: set slo, "
                              "e.g. ttft=2000 (milliseconds)")

@@ -176,7 +176,8 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 
 
 def router_messages(body: dict[str, Any], mode: str | None, text: str,
-                    rng: random.Random) -> list[pdserve_pb2.GenerateResponse]:
+                    rng: random.Random, tool_parser: str = "hermes"
+                    ) -> list[pdserve_pb2.GenerateResponse]:
     """What the router streams for `text`: its pieces, then a last message with the router's
     reading of the whole reply (as router/stream.py makes it)."""
     pieces = splits(text, rng)
@@ -188,7 +189,7 @@ def router_messages(body: dict[str, Any], mode: str | None, text: str,
         last.reasoning_content, last.content = reasoning or "", content
     tools = parse_chat(body).tools
     if tools is not None:
-        content, calls = read_reply(tools, "hermes", content)
+        content, calls = read_reply(tools, tool_parser, content)
         last.content = content or ""
         last.tool_calls.extend(pdserve_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
                                for c in calls)
@@ -196,17 +197,19 @@ def router_messages(body: dict[str, Any], mode: str | None, text: str,
     return messages
 
 
-def answers(body: dict[str, Any], parser: str | None, text: str, seed: int = 0
-            ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def answers(body: dict[str, Any], parser: str | None, text: str, seed: int = 0,
+            tool_parser: str = "hermes") -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The whole answer and the streamed chunks' choices for `text` as the model's reply."""
     thinking = (body.get("chat_template_kwargs") or {}).get("enable_thinking", True)
-    mode = first_mode(parser, thinking)
+    tools = parse_chat(body).tools
+    mode = first_mode(parser, thinking, calls=tool_parser == "openai" and tools is not None
+                      and tools.choice == "auto")
     out = []
     for stream_it in (False, True):
         request = parse_chat({**body, "stream": stream_it})
-        choices = Choices(request, "m", TokenTexts(None), "hermes", None, parser, [mode])
+        choices = Choices(request, "m", TokenTexts(None), tool_parser, None, parser, [mode])
         chunks = []
-        for message in router_messages(body, mode, text, random.Random(seed)):
+        for message in router_messages(body, mode, text, random.Random(seed), tool_parser):
             if choices.reads(0):
                 chunks += choices.read_chunks(0, message)
             elif (chunk := choices.add_json(0, message)) is not None:  # plain text

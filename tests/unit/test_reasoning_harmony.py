@@ -5,6 +5,7 @@ added), through to the OpenAI answer."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -19,8 +20,17 @@ from pdserve.router.invalid_argument import BadParameter
 from pdserve.router.openai.protocol import parse_chat
 from pdserve.router.openai.responses import Choices, TokenTexts
 from pdserve.router.reasoning import REASONING_PARSERS, first_mode, split
+from pdserve.router.tools import OpenAIToolParser
 from pdserve.router.validation import InvalidArgument, ModelContext, ValidRequest, validate
-from tests.unit.test_reasoning import BODY, accumulate, answers, reassemble, splits, stream
+from tests.unit.test_reasoning import (
+    BODY,
+    TIME,
+    accumulate,
+    answers,
+    reassemble,
+    splits,
+    stream,
+)
 from tests.unit.test_response_stream import delta, run_stream
 
 HARMONY = REASONING_PARSERS["openai_gptoss"]
@@ -88,9 +98,77 @@ def test_any_stream_reassembles_to_the_whole_parse(text, reasoning, content) -> 
         assert reassemble(stream(HARMONY, pieces)) == (reasoning, content), pieces
 
 
+CALLS = REASONING_PARSERS["openai_gptoss"].replace("harmony:", "harmony+calls:", 1)
+WEATHER = ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+           '{"city": "Paris"}<|call|>')
+TIME_CALL = ' to=functions.get_time<|channel|>commentary json<|message|>{"zone": 2}<|call|>'
+# (reply, reasoning, content, calls): with calls read (--tool-call-parser openai)
+CALL_EXAMPLES = [
+    (f"{ANALYSIS}Ask.{NEXT}{WEATHER}", "Ask.", None, [("get_weather", {"city": "Paris"})]),
+    (TIME_CALL, None, None, [("get_time", {"zone": 2})]),  # recipient before the channel
+    (f"<|channel|>commentary<|message|>Checking.{NEXT}{WEATHER}", None, "Checking.",
+     [("get_weather", {"city": "Paris"})]),  # a preamble stays the answer
+    (f"{WEATHER}<|start|>assistant{TIME_CALL}", None, None,
+     [("get_weather", {"city": "Paris"}), ("get_time", {"zone": 2})]),
+    (f"{ANALYSIS}A{NEXT}<|channel|>commentary to=functions.f<|message|>{{\"x\": [1,",
+     "A", '{"x": [1,', []),  # cut by max_tokens: arguments that do not parse stay content
+    (f"{ANALYSIS}A{NEXT}<|channel|>commentary to=functions.f<|message|>[1]<|call|>",
+     "A", "[1]", []),  # arguments that are no object: content
+    (f"{ANALYSIS}A{NEXT}<|channel|>commentary to=browser.search<|message|>{{}}<|call|>",
+     "A", None, []),  # a built-in tool's call is no function call: neither
+    (REPLY, "Two and two.", "It is 4.", []),
+]
+
+
+@pytest.mark.parametrize(("text", "reasoning", "content", "calls"), CALL_EXAMPLES)
+def test_calls_to_functions_are_read_whole_and_streamed(text, reasoning, content, calls) -> None:
+    def read(pieces: list[str]) -> tuple[str | None, str | None, list]:
+        """The reasoning, content and calls of the reply streamed in `pieces`; the framed
+        content read by the tool parser whole and, cut anywhere, streamed: the same."""
+        got_reasoning, framed = reassemble(stream(CALLS, pieces))
+        content, calls = OpenAIToolParser.parse(framed)
+        parser = OpenAIToolParser()
+        deltas = [d for piece in splits(framed, rng) for d in parser.feed(piece)]
+        streamed = accumulate([{"delta": d, "finish_reason": None}
+                               for d in deltas + parser.finish()])
+        assert streamed["content"] == (content or "")
+        assert streamed["calls"] == [part for c in calls
+                                     for part in ((c.name, ""), (None, c.arguments))]
+        return got_reasoning, content, [(c.name, json.loads(c.arguments)) for c in calls]
+
+    rng = random.Random(text)
+    assert read([text]) == (reasoning, content, calls)
+    for pieces in [list(text), *(splits(text, rng) for _ in range(30)),
+                   *(token_pieces(text, rng) for _ in range(10))]:
+        assert read(pieces) == (reasoning, content, calls), pieces
+    assert split(text, HARMONY)[0] == reasoning  # without calls read: the same reasoning
+    assert "<|" not in split(text, HARMONY)[1]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_openai_answers_carry_harmony_calls_whole_and_streamed(seed) -> None:
+    body = {**BODY, "tools": [TIME]}
+    text = f"{ANALYSIS}The time, then.{NEXT}{TIME_CALL}"
+    whole, chunks = answers(body, "openai_gptoss", text, seed, tool_parser="openai")
+    assert whole["finish_reason"] == "tool_calls"
+    assert whole["message"]["reasoning_content"] == "The time, then."
+    assert whole["message"]["content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in whole["message"]["tool_calls"]] == [("get_time", {"zone": 2})]
+    got = accumulate(chunks)
+    assert (got["reasoning_content"], got["content"]) == ("The time, then.", "")
+    assert [(n, json.loads(a) if a else a) for n, a in got["calls"]] == [
+        ("get_time", ""), (None, {"zone": 2})]
+    assert "<|" not in json.dumps(chunks)
+    no_tools, _ = answers(BODY, "openai_gptoss", text, seed, tool_parser="openai")
+    assert no_tools["message"] == {"role": "assistant", "reasoning_content": "The time, then.",
+                                   "content": None}  # no tools asked: the call is neither
+
+
 def test_first_mode_and_the_request_switches(model) -> None:
     assert first_mode("openai_gptoss") == HARMONY
     assert first_mode("openai_gptoss", constrained=True) == HARMONY  # no marker: all content
+    assert first_mode("openai_gptoss", calls=True) == CALLS
     with pytest.raises(ValueError, match="enable_thinking: false does not turn off gpt-oss"):
         first_mode("openai_gptoss", thinking=False)
     off = chat_request(chat_template_kwargs='{"enable_thinking": false}')
@@ -98,6 +176,14 @@ def test_first_mode_and_the_request_switches(model) -> None:
         validate(off, model)
     on = validate(chat_request(chat_template_kwargs='{"enable_thinking": true}'), model)
     assert on.reasoning_mode == HARMONY
+    reads_calls = dataclasses.replace(model, tool_call_parser="openai")
+    tool = pdserve_pb2.Tool(name="get_time", parameters='{"type": "object"}')
+    assert validate(chat_request(tools=[tool]), reads_calls).reasoning_mode == CALLS
+    assert validate(chat_request(), reads_calls).reasoning_mode == HARMONY  # no tools
+    required = pdserve_pb2.ToolChoice(required=True)  # a grammar shapes the reply: no harmony
+    assert validate(chat_request(tools=[tool], tool_choice=required),
+                    reads_calls).reasoning_mode == HARMONY
+    assert validate(chat_request(tools=[tool]), model).reasoning_mode == HARMONY  # hermes
 
 
 def test_reasoning_effort_reaches_the_template(model) -> None:

@@ -320,6 +320,15 @@ def test_invalid_value_names_the_field_in_every_layer(parser, tmp_path, key: str
             ServeSettings.load(args, env)
 
 
+def test_the_openai_tool_parser_needs_the_harmony_reasoning_parser() -> None:
+    with pytest.raises(ValueError, match="tool_call_parser openai .* reasoning_parser None"):
+        ServeSettings(tool_call_parser="openai")
+    with pytest.raises(ValueError, match="reasoning_parser 'qwen3'"):
+        ServeSettings(tool_call_parser="openai", reasoning_parser="qwen3")
+    ServeSettings(tool_call_parser="openai", reasoning_parser="openai_gptoss")
+    ServeSettings(reasoning_parser="openai_gptoss")  # calls not read: still a valid service
+
+
 def test_zero_ports_are_valid() -> None:
     settings = ServeSettings.load(None, {"PDSERVE_PORT": "0", "PDSERVE_METRICS_PORT": "0"})
     assert (settings.port, settings.metrics_port) == (0, 0)
