@@ -385,7 +385,7 @@ def _prefill_option(c: PrefillClient, num_uncached_tokens: int) -> Option:
     even its mean cost per token (no slope fitted yet) prices one."""
     load = c.load
     return Option(c.worker_id, c.num_inflight_tokens, num_uncached_tokens,
-                  _line(load, fitted_only=False), _budget(load))
+                  step_fit(load, fitted_only=False), _budget(load))
 
 
 def _decode_option(c: DecodeClient, num_uncached_tokens: int, wait_s: float,
@@ -399,18 +399,18 @@ def _decode_option(c: DecodeClient, num_uncached_tokens: int, wait_s: float,
     load = c.load
     tokens = c.num_pending[2]
     queued, running = (load.num_prefill_tokens, load.num_running) if load else (0, 0)
-    line = _line(load, fitted_only=True)
-    if line is None and prompt_line is not None and (own := _line(load, False)) is not None \
+    line = step_fit(load, fitted_only=True)
+    if line is None and prompt_line is not None and (own := step_fit(load, False)) is not None \
             and own.per_decode_s is not None:
         line = StepFit(own.intercept_s, prompt_line.per_token_s, own.per_decode_s)
     return Option(c.worker_id, queued + tokens, num_uncached_tokens, line, _budget(load),
                   num_decoding=running, wait_s=wait_s)
 
 
-def _line(load: worker_pb2.WorkerLoad | None, fitted_only: bool) -> StepFit | None:
+def step_fit(load: worker_pb2.WorkerLoad | None, fitted_only: bool) -> StepFit | None:
     """The step-time fit a worker last reported (None: none, one that is not a number, or no
     fitted prompt slope when `fitted_only`); a negative intercept or decode slope (a fit over
-    noise) reads as none."""
+    noise) reads as none. The planner sizes its pools from it too (planner.measured)."""
     if load is None or (fitted_only and not load.step_slope_fitted):
         return None
     values = (load.step_intercept_s, load.prefill_s_per_token, load.decode_s_per_token)

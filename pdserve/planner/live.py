@@ -2,7 +2,9 @@
 
 Each interval it reads the router's own metrics (the difference of two scrapes of its
 registry: arrivals, prompt/output tokens, TTFT and ITL histograms), its queue and the decode
-workers' KV usage, builds an `Observation`, and applies what `decide()` returns: scaling up
+workers' KV usage, builds an `Observation`, prices the workers with the step-time fits they
+report (the router's own cost model, planner.measured; policy `cost_model: profile` keeps the
+profile's numbers), and applies what `decide()` returns: scaling up
 starts workers in the Ray pool and registers them with the router; scaling down drains the
 pool's newest worker in the router (no new requests; in-flight ones finish) and then stops
 it. It also asks Ray's autoscaler for the nodes the decision needs (`request_resources`) and
@@ -17,9 +19,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.planner.measured import measured_perf
 from pdserve.planner.perf_model import PerfModel
 from pdserve.planner.policy import Decision, Observation, PlannerPolicy, PlannerState, decide
 from pdserve.router.metrics_text import quantile_between, sample_value
+from pdserve.router.placement import step_fit
 from pdserve.router.router import Router
 from pdserve.worker_spec import WorkerSpec
 
@@ -52,12 +56,17 @@ class LivePlanner:
             now = self._scrape()
             obs = self.observe(last, now)
             last = now
-            decision, self.state = decide(self.policy, self.perf, obs, self.state)
+            perf = self.cost_model()
+            decision, self.state = decide(self.policy, perf, obs, self.state)
             for role, count in (("prefill", decision.num_prefill),
                                 ("decode", decision.num_decode)):
                 self.router.metrics.set_planner_desired(role, count)
             if (decision.num_prefill, decision.num_decode) != (obs.num_prefill, obs.num_decode):
-                logger.info("planner: %s", decision.reason)
+                logger.info("planner: %s (prefill %.0f tok/s, %s; decode step %.3g s + "
+                            "%.3g s per sequence, %s)", decision.reason,
+                            perf.prefill_tokens_per_s, perf.source.get("prefill", "profile"),
+                            perf.decode_a_s, perf.decode_b_s,
+                            perf.source.get("decode", "profile"))
                 try:
                     await self.apply(decision)
                 except Exception:  # a failed scale step is retried at the next interval
@@ -83,6 +92,18 @@ class LivePlanner:
                       if loads else 0.0),
             num_prefill=len(prefill), num_decode=len(decode),
         )
+
+    def cost_model(self) -> PerfModel:
+        """What one worker of each pool can do: as its serving workers measured it (their
+        step-time fits, which the router places prompts by), or the profile's numbers."""
+        if self.policy.cost_model == "profile":
+            return self.perf
+        prefill = [(fit, max(c.load.step_token_budget, 1))
+                   for c in self._serving(self.router.prefill)
+                   if (fit := step_fit(c.load, fitted_only=True)) is not None]
+        decode = [fit for c in self._serving(self.router.decode)
+                  if (fit := step_fit(c.load, fitted_only=False)) is not None]
+        return measured_perf(self.perf, prefill, decode)
 
     async def apply(self, decision: Decision) -> None:
         for role, want in (("prefill", decision.num_prefill), ("decode", decision.num_decode)):

@@ -38,6 +38,7 @@ from pdserve.planner.perf_model import PerfModel
 logger = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
+COST_MODELS = ("measured", "profile")
 
 
 @dataclass(frozen=True)
@@ -59,12 +60,20 @@ class PlannerPolicy:
     kv_high_water: float = 0.9  # decode KV usage above this asks for one more decode worker
     prefill_cost_per_hour: float = 1.0  # cost of one worker-hour (any currency)
     decode_cost_per_hour: float = 1.0
+    # what a worker can do: "measured" (the step-time fits the workers report, which the
+    # router places prompts by; the profile's numbers until a worker has measured) or
+    # "profile" (`pdserve profile`'s numbers alone)
+    cost_model: str = "measured"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str):
-            raise ValueError(f"name: must be a string, got {self.name!r}")
+        for key in ("name", "cost_model"):
+            if not isinstance(getattr(self, key), str):
+                raise ValueError(f"{key}: must be a string, got {getattr(self, key)!r}")
+        if self.cost_model not in COST_MODELS:
+            raise ValueError(f"cost_model: must be one of {', '.join(COST_MODELS)}, got "
+                             f"{self.cost_model!r}")
         for f in fields(self):
-            if f.name != "name":
+            if f.name not in ("name", "cost_model"):
                 _check_number(f.name, getattr(self, f.name), f.type == "int")
         for key in ("interval_s", "ttft_target_s", "itl_target_s"):
             if getattr(self, key) <= 0:

@@ -22,6 +22,7 @@ POLICY = {
     "min_decode_workers": 1, "max_decode_workers": 1,
     "scale_up_cooldown_s": 3.0, "scale_down_cooldown_s": 4.0, "low_water": 0.5,
     "headroom": 0.0,
+    "cost_model": "profile",  # PERF below, not the tiny model's own (much faster) steps
 }
 # One prefill worker "does" 800 prompt tokens/s: at the 1 s TTFT target (M/D/1, 64-token
 # prompts: S = 0.08 s, utilisation <= 2(1 - 0.08)/(2 - 0.08) = 0.958) it carries 767 tok/s,

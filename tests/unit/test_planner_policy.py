@@ -197,6 +197,8 @@ def test_deploy_policies_load():
     ("headroom: -0.1\n", "headroom"),
     ("itl_target_s: 0.1\ntpot_target_s: 0.1\n", "tpot_target_s"),
     ("name: 3\n", "name"),
+    ("cost_model: guessed\n", "cost_model"),
+    ("cost_model: 1\n", "cost_model"),
 ])
 def test_load_policy_errors_name_the_key(tmp_path, text, key):
     with pytest.raises(ValueError, match=key):
