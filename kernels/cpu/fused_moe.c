@@ -24,8 +24,9 @@
  * that has not started, and a thread that is late finds the queue drained and leaves. The
  * only wait for every thread is the region's end, once per layer.
  *
- * Numerics are the Python path's, bit for bit: the GEMM tiles are linear_bf16.c's own (its
- * source is included: the packed layout and micro-kernels are not written twice), SiLU * up is
+ * Numerics are the Python path's, bit for bit: the GEMMs are linear_bf16.c's own `gemm_cols` (its
+ * source is included: the packed layout and micro-kernels, AMX's too, are not written twice),
+ * SiLU * up is
  * silu_and_mul.c's (included too), and the combine does what `run_experts` does: each bf16
  * expert output times its fp32 routing weight in fp32, added in sorted (expert) order into
  * fp32 zeros, as `index_add_` adds, rounded to bf16 once. Against `fused_moe_ref` that is
@@ -50,7 +51,7 @@
 #include <stdlib.h>
 #include <time.h>
 
-#include "linear_bf16.c"  /* TILES, TILE_COLS, MAX_ROWS, ROW_BLOCK, ITEM_COLS, row_t, X_FP32 */
+#include "linear_bf16.c"  /* gemm_cols, TILE_COLS, ROW_BLOCK, ITEM_COLS, row_t, X_FP32 */
 #include "silu_and_mul.c" /* silu(): silu_and_mul_cpu's numerics */
 #include "swigluoai_and_mul.c" /* swigluoai(): swigluoai_and_mul_cpu's numerics */
 
@@ -108,26 +109,6 @@ static void wait_for(const int64_t *counter, int64_t value) {
 }
 
 static void finished(int64_t *counter) { __atomic_fetch_add(counter, 1, __ATOMIC_RELEASE); }
-
-/* rows x [rows, k] (row_t) times the packed tiles [col0, col1) of w [*, k] (+ bias[col0:col1],
- * bias NULL: none) into y (bf16, ldy apart, y at column col0): linear_bf16's loop over one
- * work item, passes of equal size and its prefetches. */
-static void gemm_cols(const row_t *x, int64_t rows, int64_t k, const uint16_t *w,
-                      const uint16_t *bias, int64_t col0, int64_t col1, uint16_t *y,
-                      int64_t ldy) {
-    for (int64_t col = col0; col < col1; col += TILE_COLS)
-        for (int64_t r = 0; r < rows;) {
-            int64_t passes = (rows - r + MAX_ROWS - 1) / MAX_ROWS;
-            int64_t count = (rows - r + passes - 1) / passes;
-            const uint16_t *ahead = 0;
-            if (r == 0)
-                ahead = count == rows             ? w + col * k + STREAM_AHEAD
-                        : col + TILE_COLS < col1 ? w + (col + TILE_COLS) * k : 0;
-            TILES[count](x + r * k, k, w + col * k, bias ? bias + col : 0,
-                         y + r * ldy + (col - col0), ldy, ahead);
-            r += count;
-        }
-}
 
 static void gather(const Moe *m, const Block *b) {
     int64_t h = m->hidden;

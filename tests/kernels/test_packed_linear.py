@@ -18,24 +18,27 @@ blocked = pytest.mark.skipif(not packed_linear.blocked_available(),
 onednn_bf16 = packed_linear.onednn_bf16()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 32, 96, 97, 300])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 16, 32, 96, 97, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("out_features", [192, 200], ids=["tiled", "untiled"])
-def test_packed_matches_f_linear(rows, with_bias, out_features):
+@pytest.mark.parametrize("in_features", [80, 128])
+def test_packed_matches_f_linear(rows, with_bias, out_features, in_features):
     """192 output columns tile by 64 and by 16: the blocked kernel where the CPU runs it (tiles
     of 64 with AVX512-BF16, 16 with AVX2); 200 tile by neither: oneDNN's layout where oneDNN
     has bf16 kernels, else the plain weight (F.linear). The blocked kernel also agrees closely
-    with oneDNN on the same weight (both sum in fp32 and round once)."""
+    with oneDNN on the same weight (both sum in fp32 and round once). On a CPU with AMX, 128
+    inputs (a multiple of 32) send each whole 16 rows through the tile unit, the rest (and
+    every row of 80 inputs) through the AVX512-BF16 tiles."""
     gen = torch.Generator().manual_seed(rows)
-    w = torch.randn(out_features, 80, generator=gen).bfloat16()
+    w = torch.randn(out_features, in_features, generator=gen).bfloat16()
     b = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None
-    x = torch.randn(rows, 80, generator=gen).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
     cols = packed_linear.tile_cols()
     blocked = bool(cols) and out_features % cols == 0
     assert packed_linear.can_pack(w) == (blocked or onednn_bf16)
     kernel = packed_linear.pack(w) if blocked or onednn_bf16 else DenseLinear(w)
     if blocked:
-        assert kernel.packed.shape == (out_features // cols, 40, cols, 2)
+        assert kernel.packed.shape == (out_features // cols, in_features // 2, cols, 2)
     else:
         assert isinstance(kernel, packed_linear.OneDnnLinear if onednn_bf16 else DenseLinear)
     out = kernel(x, b)
