@@ -331,6 +331,8 @@ def _cpu_kind() -> str:
     cols = packed_linear.tile_cols()
     linear = {64: "pdserve's AVX512-BF16 kernel", 16: "pdserve's AVX2 kernel"}.get(
         cols, "oneDNN" if packed_linear.onednn_bf16() else "torch's reference")
+    if packed_linear.amx():
+        linear += " (AMX from 2 rows)"
     return f"{name}; bf16 linears: {linear}; torch sees {torch.backends.cpu.get_cpu_capability()}"
 
 

@@ -292,6 +292,15 @@ int linear_bf16_supported(void) { return 1; }
 /* Output columns per tile of the packed layout on this CPU (packed_linear.py packs by it). */
 int linear_bf16_tile_cols(void) { return TILE_COLS; }
 
+/* Whether 2 rows or more go through AMX's tile unit here (built with it, and Linux lends it). */
+int linear_bf16_amx(void) {
+#ifdef AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
 /* y [m, n] = x [m, k] . W [n, k]^T (+ bias [n] or NULL); w packed as above, n % TILE_COLS == 0
  * and k even (the wrapper checks). 0, or -1 if out of memory (nothing written). */
 /* rows x [rows, k] (row_t) times the packed tiles [col0, col1) of w [*, k] (+ bias[col0:col1],
@@ -357,6 +366,8 @@ int linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint
 int linear_bf16_supported(void) { return 0; }
 
 int linear_bf16_tile_cols(void) { return 0; }
+
+int linear_bf16_amx(void) { return 0; }
 
 int linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                 int64_t m, int64_t n, int64_t k) {

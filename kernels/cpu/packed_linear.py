@@ -42,6 +42,13 @@ def tile_cols() -> int:
     return cols() if cols is not None else 0
 
 
+@functools.cache
+def amx() -> bool:
+    """Whether `linear_bf16.c` sends 2 rows or more through AMX's tile unit on this CPU."""
+    uses = build.function("linear_bf16", "linear_bf16_amx", (), build.INT)
+    return bool(uses()) if uses is not None else False
+
+
 def blocked_available() -> bool:
     """Whether this CPU runs `linear_bf16.c`."""
     return tile_cols() > 0

@@ -50,6 +50,15 @@ def test_packed_matches_f_linear(rows, with_bias, out_features, in_features):
 
 
 @blocked
+def test_amx_is_used_where_the_cpu_has_it():
+    """A CPU whose flags list AMX's tiles and bf16 sends 2 rows or more through them (the
+    kernel is built for this CPU, and Linux lends the tile registers); no other CPU does."""
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split() for line in f if line.startswith("flags")), [])
+    assert packed_linear.amx() == ("amx_tile" in flags and "amx_bf16" in flags)
+
+
+@blocked
 def test_blocked_takes_any_leading_dims_and_no_rows():
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(64, 32, generator=gen).bfloat16()
