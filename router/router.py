@@ -119,10 +119,11 @@ class Router:
         await client.close()
 
     def mark_down(self, worker_id: str) -> None:
-        """The supervisor's word: out of rotation, and every request on it ends UNAVAILABLE."""
+        """The supervisor's word: out of rotation until its replacement is added (`add_worker`),
+        and every request on it ends UNAVAILABLE."""
         for client in self.workers():
             if client.worker_id == worker_id:
-                client.mark_down("reported dead by the supervisor")
+                client.mark_dead("reported dead by the supervisor")
         for follower in self.followers:
             follower.mark_down(worker_id)
 

@@ -97,6 +97,9 @@ class WorkerClient:
         self.load: worker_pb2.WorkerLoad | None = None
         self.load_stale = False  # the last poll failed: `load` is older than it should be
         self.up = False
+        # the supervisor reported its process dead: it is being replaced (the replacement comes
+        # as a new client, Router.add_worker), so this one never returns to rotation
+        self.dead = False
         self.draining = False  # being scaled down: no new requests, in-flight ones finish
         self.num_inflight = 0
         self.num_inflight_tokens = 0
@@ -123,6 +126,12 @@ class WorkerClient:
             logger.warning("%s worker %s (%s) is down: %s", self.role, self.worker_id,
                            self.address, reason)
         self.up = False
+
+    def mark_dead(self, reason: str) -> None:
+        """Down for good: after a network cut the old process answers again until the
+        supervisor's kill reaches it, and requests placed on it then would be lost."""
+        self.dead = True
+        self.mark_down(reason)
 
     def error(self, exc: grpc.aio.AioRpcError) -> Exception:
         """What a failed RPC means for the request (and whether the worker is down)."""
@@ -166,7 +175,7 @@ class WorkerClient:
                 self._poll_failed(exc)
             else:
                 self.load, self.load_stale, self._refused = load, False, False
-                up = self._on_load()
+                up = self._on_load() and not self.dead
                 if up and not self.up:
                     logger.info("%s worker %s is up at %s", self.role, self.worker_id,
                                 self.address)

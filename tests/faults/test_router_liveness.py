@@ -224,6 +224,12 @@ def test_mark_down_ends_every_request_on_the_worker_at_once(service, quiescent):
     results, took = asyncio.run(run())
     assert results == ["UNAVAILABLE"] * 4
     assert took < 2.0
-    # the worker itself is alive: it is back in rotation at its next poll, and serves
+    # the supervisor's word is final for that process (the supervisor is replacing it): alive
+    # and answering, it stays out of rotation until a worker is registered under its id
+    # again, as the supervisor's on_up does (here the same process, at its address)
+    router = service.router
+    time.sleep(1.0)  # several load polls answered
+    assert not router.decode["decode-0"].up
+    service.run(router.add_worker("decode-0", "decode", router.decode["decode-0"].address))
     wait_until(lambda: all(w.up for w in stats(service.address).workers), 10, "decode-0 back")
     quiescent(service, 2, 10)

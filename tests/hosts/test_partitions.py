@@ -1,0 +1,405 @@
+"""pdserve over four hosts (network namespaces on one bridge), started as a user starts it:
+`ray start` on each host, then `pdserve up --ray-address <head> --worker-host auto` on the head.
+
+Host a: the Ray head (no CPUs) and `pdserve up` (router, bundled Redis). Host p: the prefill
+worker. Hosts d1 and d2: one decode worker each. One cluster and one deployment for the module;
+each case leaves it as it found it and ends with the same check: every request ended with the
+tokens the offline engine generates greedily, or with a clean error status (its tokens so far
+a prefix of those); then every worker is up and holds no KV block, one worker process per
+worker host, and nothing is queued or in flight in the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import httpx
+import psutil
+import pytest
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from tests.e2e.harness import stats, token_prompts, wait_until
+from tests.hosts.deployment import Deployment, pdserve_up, ray_cluster
+from tests.hosts.netns import Network, hosts
+
+NODES = {"p": (1, {"prefill": 1}), "d1": (1, {"decode": 1}), "d2": (1, {"decode": 1})}
+HOSTS = ("a", *NODES)
+SILENCE_S = 3.0  # --worker-silence-s: a cut is seen within it
+KV_TIMEOUT_S = 10.0  # --kv-transfer-timeout-s: a prompt's prefill and push end within it
+ENV = {  # small and quick, as tests/e2e run the tiny model
+    "PDSERVE_NUM_KV_BLOCKS": "128", "PDSERVE_MAX_MODEL_LEN": "512", "PDSERVE_MAX_NUM_SEQS": "8",
+    "PDSERVE_PREFILL_THREADS": "1", "PDSERVE_DECODE_THREADS": "1",
+    "PDSERVE_ROUTER_PROCESSES": "1",
+    "PDSERVE_PREFILL_PLACEMENT": "fixed",  # every prompt on the prefill host
+}
+FLAGS = ["--decode-workers", "2", "--worker-silence-s", f"{SILENCE_S:g}",
+         "--kv-transfer-timeout-s", f"{KV_TIMEOUT_S:g}"]
+# the worker processes each host runs: one prefill or decode actor, none on the head
+ACTORS = {"a": [], "p": ["ray::PrefillActor"], "d1": ["ray::DecodeRankActor"],
+          "d2": ["ray::DecodeRankActor"]}
+CLEAN_ERRORS = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")  # what a client retries on
+REQUEST_TIMEOUT_S = 90.0
+SETTLE_S = 90.0  # a worker relaunched after a cut loads its model again
+MARGIN_S = 3.0
+
+
+@dataclass
+class Site:
+    network: Network
+    deployment: Deployment
+    model_dir: str
+    _offline: object = None
+    _greedy: dict = field(default_factory=dict)
+
+    def host_of(self, worker_id: str) -> str:
+        """The host whose address the router dials `worker_id` at."""
+        address = self.deployment.worker_addresses()[worker_id].rsplit(":", 1)[0]
+        return next(name for name, h in self.network.hosts.items() if h.address == address)
+
+    def greedy(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
+        """The offline engine's greedy tokens for each prompt (the undisturbed output)."""
+        if self._offline is None:
+            from pdserve.llm import LLM
+
+            self._offline = LLM(self.model_dir, max_model_len=512, num_kv_blocks=256,
+                                num_threads=1)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        missing = [list(p) for p in prompts if (tuple(p), max_tokens) not in self._greedy]
+        for prompt, out in zip(missing, self._offline.generate(missing, params) if missing
+                               else ()):
+            self._greedy[(tuple(prompt), max_tokens)] = list(out.token_ids)
+        return [self._greedy[(tuple(p), max_tokens)] for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def site(tiny_llama_dir, request):
+    failed = request.session.testsfailed
+    with tempfile.TemporaryDirectory(prefix="pdh", dir="/tmp") as tmp, hosts(HOSTS) as network:
+        cluster = ray_cluster(network, "a", NODES, tmp)
+        with pdserve_up(network, "a", cluster, str(tiny_llama_dir), FLAGS, ENV) as deployment:
+            yield Site(network, deployment, str(tiny_llama_dir))
+            if request.session.testsfailed > failed:  # what the service saw, for the report
+                print("pdserve up's log, last 300 lines:\n" + "".join(deployment.lines[-300:]))
+
+
+# ---- clients ----
+
+@dataclass
+class Outcome:
+    """One greedy Generate as its client saw it."""
+
+    status: str = ""  # the finish reason ("length"), or the gRPC status it ended with
+    tokens: list[int] = field(default_factory=list)
+    sent: float = 0.0  # time.monotonic() of the call, of each message, of its end
+    arrivals: list[float] = field(default_factory=list)
+    ended: float = 0.0
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.arrivals[0] - self.sent if self.arrivals else None
+
+    def stall(self, since: float) -> float:
+        """The longest wait for a message after `since` (to its end, if it never came)."""
+        times = [since, *(a for a in self.arrivals if a > since)]
+        if self.status != "length":
+            times.append(self.ended)
+        return max(b - a for a, b in zip(times, times[1:])) if len(times) > 1 else 0.0
+
+
+async def generate(channel: grpc.aio.Channel, request_id: str, prompt: Sequence[int],
+                   max_tokens: int, started: asyncio.Event | None = None,
+                   out: Outcome | None = None) -> Outcome:
+    """One greedy Generate; `out` (returned) fills in as the messages come."""
+    sampling = pdserve_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    request = pdserve_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt),
+                                          sampling=sampling)
+    out = out if out is not None else Outcome()
+    out.sent = time.monotonic()
+    try:
+        async for message in pdserve_pb2_grpc.InferenceStub(channel).Generate(
+                request, timeout=REQUEST_TIMEOUT_S):
+            out.arrivals.append(time.monotonic())
+            out.tokens.extend(message.token_ids)
+            out.status = message.finish_reason or out.status
+            if started is not None:
+                started.set()
+    except grpc.aio.AioRpcError as exc:
+        out.status = exc.code().name
+    finally:
+        out.ended = time.monotonic()
+        if started is not None:
+            started.set()
+    return out
+
+
+def check_outcomes(outcomes: Sequence[Outcome], expected: Sequence[list[int]],
+                   errors: bool = False) -> None:
+    """Each request has the undisturbed greedy tokens, or (`errors`) ended with a clean error
+    status after a prefix of them."""
+    for i, (out, want) in enumerate(zip(outcomes, expected, strict=True)):
+        if out.status == "length":
+            assert out.tokens == want, f"request {i}: tokens differ from the undisturbed run"
+        else:
+            assert errors and out.status in CLEAN_ERRORS, f"request {i} ended {out.status}"
+            assert out.tokens == want[:len(out.tokens)], f"request {i}: wrong tokens"
+
+
+def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 4000) for _ in range(length)] for _ in range(n)]
+
+
+# ---- the deployment's state ----
+
+def actor_processes(site: Site) -> dict[str, list[str]]:
+    """The worker processes (Ray actors, by class) in each host's network namespace."""
+    found = {}
+    for host in HOSTS:
+        found[host] = []
+        for pid in site.network.pids(host):
+            try:
+                title = psutil.Process(pid).cmdline()[0]
+            except (psutil.Error, IndexError):
+                continue  # gone meanwhile
+            if title.startswith(("ray::PrefillActor", "ray::DecodeRankActor")):
+                found[host].append(title.split()[0].split(".")[0])  # "ray::Class.method ..."
+    return found
+
+
+def settled(site: Site, timeout: float = SETTLE_S) -> pdserve_pb2.Stats:
+    """Wait until every worker is up and holds no block, nothing is queued or in flight, and
+    each worker host runs its one worker process (none left over from a relaunch)."""
+    def check():
+        now = stats(site.deployment.address)
+        workers = {w.worker_id: w for w in now.workers}
+        ok = (sorted(workers) == ["decode-0", "decode-1", "prefill-0"]
+              and all(w.up and w.num_used_blocks == 0 for w in workers.values())
+              and now.num_queued == 0 and now.num_inflight == 0
+              and actor_processes(site) == ACTORS)
+        return ok and now
+
+    try:
+        return wait_until(check, timeout, "every worker up and idle, the router empty")
+    except AssertionError:
+        print(stats(site.deployment.address), actor_processes(site))
+        raise
+
+
+def replaced(site: Site, worker_id: str, old_address: str) -> bool:
+    """The worker is up in the router at another address than `old_address` (its relaunch)."""
+    up = {w.worker_id: w.up for w in stats(site.deployment.address).workers}.get(worker_id)
+    return bool(up) and site.deployment.worker_addresses()[worker_id] != old_address
+
+
+async def supervisor_found_dead(site: Site, worker_id: str, since: int) -> None:
+    """Until the supervisor has taken the worker for dead (its ping unanswered for
+    --worker-silence-s), so it is relaunched: a link back sooner could make either outcome,
+    as the router's own silence timer (readmission on a fresh stream) runs as long."""
+    line = f"pdserve.launch.supervisor: worker {worker_id} is down"
+    end = time.monotonic() + SILENCE_S + 2 * MARGIN_S
+    while line not in site.deployment.log_since(since):
+        assert time.monotonic() < end, f"the supervisor did not take {worker_id} for dead"
+        await asyncio.sleep(0.05)
+
+
+def migrations(site: Site) -> float:
+    text = httpx.get(site.deployment.metrics_url, timeout=10).text
+    match = re.search(r'^pdserve_router_migrations_total\{outcome="ok"\} (\S+)$', text, re.M)
+    return float(match[1]) if match else 0.0
+
+
+def report(case: str, **numbers: float) -> None:
+    print(f"hosts: {case}: " + ", ".join(f"{k} {v:.2f}" for k, v in numbers.items()))
+
+
+# ---- the cases ----
+
+def test_prefill_and_decode_run_on_their_own_hosts(site):
+    """The workers bind their hosts' addresses (what the router dials) and their processes
+    live in their hosts; greedy streams across the hosts equal the offline engine's."""
+    addresses = site.deployment.worker_addresses()
+    assert sorted(addresses) == ["decode-0", "decode-1", "prefill-0"], addresses
+    assert not any(a.startswith(("127.", "0.0.0.0", "localhost")) for a in addresses.values())
+    assert site.host_of("prefill-0") == "p"
+    assert {site.host_of("decode-0"), site.host_of("decode-1")} == {"d1", "d2"}
+    assert actor_processes(site) == ACTORS
+
+    prompts = token_prompts(4, seed=1)
+    want = site.greedy(prompts, 16)
+
+    async def run():
+        async with grpc.aio.insecure_channel(site.deployment.address) as channel:
+            return await asyncio.gather(*(generate(channel, f"across-{i}", p, 16)
+                                          for i, p in enumerate(prompts)))
+
+    outcomes = asyncio.run(run())
+    check_outcomes(outcomes, want)
+    report("across hosts", ttft_max_s=max(o.ttft_s for o in outcomes),
+           e2e_max_s=max(o.ended - o.sent for o in outcomes))
+    settled(site)
+
+
+def test_decode_host_cut_mid_stream_migrates_and_is_readmitted(site):
+    """A decode host cut off mid-stream: its streams move to the other decode host and end as
+    undisturbed. The supervisor took the worker for dead and relaunches it once the link is
+    back: requests sent every 0.5 s from the restore on all succeed, none migrates, and the
+    old process, answering again until the supervisor's kill reaches it, is never back in
+    rotation; only its replacement is. (The link comes back as soon as the streams have moved
+    and the supervisor has spoken: a cut much longer than Ray's node health checks, ~15 s,
+    would have Ray drop the node.)"""
+    prompts, max_tokens = token_prompts(4, seed=2), 480
+    want = site.greedy(prompts, max_tokens)
+
+    async def run():
+        async with grpc.aio.insecure_channel(site.deployment.address) as channel:
+            victim, host, cut, tasks, moved = await cut_while_streaming(
+                site, channel, prompts, max_tokens)
+            recovered = await requests_until_replaced(site, channel, victim)
+            outcomes = await asyncio.wait_for(asyncio.gather(*tasks), REQUEST_TIMEOUT_S)
+            return victim, host, cut, outcomes, moved, recovered
+
+    victim, host, cut, outcomes, moved, (recovered_s, later, moved_later, readmitted_old) = (
+        asyncio.run(run()))
+    check_outcomes(outcomes, want)
+    assert moved >= 1, "no stream was migrated"
+    resumed = [s for s in (o.stall(cut) for o in outcomes) if s > SILENCE_S / 2]
+    assert resumed and max(resumed) <= SILENCE_S + MARGIN_S, resumed  # the ones that stalled
+    check_outcomes(later, site.greedy([after_prompt(i) for i in range(len(later))], 8))
+    assert moved_later == 0, "a request placed after the restore had to migrate"
+    assert not readmitted_old, f"{victim}'s old process, reported dead, was back in rotation"
+    report(f"decode host {host} ({victim}) cut", streams_migrated=moved,
+           time_to_migrate_max_s=max(resumed), time_to_replacement_up_s=recovered_s,
+           stall_after_restore_max_s=max(o.stall(o.sent) for o in later),
+           requests_after_restore=len(later))
+    settled(site)
+
+
+async def cut_while_streaming(site: Site, channel, prompts, max_tokens: int):
+    """Streams started, the host of the busiest decode worker cut until they have moved and
+    the supervisor has taken the worker for dead, then restored: (the worker, its host, the
+    time of the cut, the streams' tasks, the migrations counted meanwhile)."""
+    started = [asyncio.Event() for _ in prompts]
+    outcomes = [Outcome() for _ in prompts]
+    tasks = [asyncio.create_task(generate(channel, f"cut-{i}", p, max_tokens, e, out))
+             for i, (p, e, out) in enumerate(zip(prompts, started, outcomes))]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+    now = await asyncio.to_thread(stats, site.deployment.address)
+    held = {w.worker_id: (w.num_running + w.num_waiting, w.num_used_blocks)
+            for w in now.workers if w.role == "decode"}
+    victim = max(held, key=held.get)
+    host, before, log_start = site.host_of(victim), migrations(site), len(site.deployment.lines)
+    cut = time.monotonic()
+    site.network.cut(host)
+    try:  # every stream ended, or delivering again after the silence that cut the others
+        while not all(t.done() or (o.arrivals and o.arrivals[-1] > cut + SILENCE_S)
+                      for t, o in zip(tasks, outcomes)):
+            assert time.monotonic() < cut + SILENCE_S + REQUEST_TIMEOUT_S, "no migration"
+            await asyncio.sleep(0.05)
+        moved = migrations(site) - before
+        await supervisor_found_dead(site, victim, log_start)
+    finally:
+        site.network.restore(host)
+    return victim, host, cut, tasks, moved
+
+
+async def requests_until_replaced(site: Site, channel, victim: str):
+    """A request every 0.5 s from now until the victim's replacement has been up for 2 s:
+    (seconds to the replacement up, the requests' outcomes, the migrations counted meanwhile,
+    whether the old process was back in rotation)."""
+    old_address = site.deployment.worker_addresses()[victim]
+    before, log_start = migrations(site), len(site.deployment.lines)
+    restored, back, tasks = time.monotonic(), None, []
+    while back is None or time.monotonic() < back + 2.0:
+        assert time.monotonic() < restored + SETTLE_S, f"{victim} not replaced"
+        tasks.append(asyncio.create_task(
+            generate(channel, f"after-{len(tasks)}", after_prompt(len(tasks)), 8)))
+        await asyncio.sleep(0.5)
+        if back is None and await asyncio.to_thread(replaced, site, victim, old_address):
+            back = time.monotonic()
+    outcomes = await asyncio.gather(*tasks)
+    # the old process answers again once the link is back, until the supervisor's kill (sent
+    # during the cut) reaches it: it must not be back in rotation meanwhile
+    readmitted_old = f"worker {victim} is up at {old_address}" in site.deployment.log_since(
+        log_start)
+    return back - restored, outcomes, migrations(site) - before, readmitted_old
+
+
+def after_prompt(i: int) -> list[int]:
+    return token_prompts(1, seed=100 + i)[0]
+
+
+def test_prefill_host_cut_mid_prefill(site):
+    """The prefill host cut off while a burst of prompts is being prefilled and pushed, and
+    requests keep coming: each ends with the undisturbed tokens or a clean error within the KV
+    deadline; after the heal the prefill worker (relaunched) serves again."""
+    burst, later = random_prompts(8, 240, seed=3), random_prompts(4, 240, seed=4)
+    want = site.greedy(burst + later, 8)
+    network = site.network
+    old_address = site.deployment.worker_addresses()["prefill-0"]
+    log_start = len(site.deployment.lines)
+
+    async def run():
+        async with grpc.aio.insecure_channel(site.deployment.address) as channel:
+            first = asyncio.Event()
+            tasks = [asyncio.create_task(generate(channel, f"burst-{i}", p, 8, first))
+                     for i, p in enumerate(burst)]
+            await asyncio.wait_for(first.wait(), 60)  # one prompt through: the rest on the way
+            cut = time.monotonic()
+            network.cut("p")
+            try:
+                for i, prompt in enumerate(later):  # and new requests while it is cut off
+                    tasks.append(asyncio.create_task(generate(channel, f"later-{i}", prompt, 8)))
+                    await asyncio.sleep(0.25)
+                outcomes = await asyncio.wait_for(asyncio.gather(*tasks), REQUEST_TIMEOUT_S)
+                await supervisor_found_dead(site, "prefill-0", log_start)
+            finally:
+                network.restore("p")
+            healed = time.monotonic()
+            await asyncio.to_thread(wait_until, lambda: replaced(site, "prefill-0", old_address),
+                                    SETTLE_S, "the prefill worker's replacement up")
+            back_s = time.monotonic() - healed
+            served = await asyncio.gather(*(generate(channel, f"healed-{i}", p, 8)
+                                            for i, p in enumerate(burst[:3])))
+            return cut, outcomes, back_s, served
+
+    cut, outcomes, back_s, served = asyncio.run(run())
+    check_outcomes(outcomes, want, errors=True)
+    check_outcomes(served, want[:3])
+    assert f"worker prefill-0 is up at {old_address}" not in site.deployment.log_since(
+        log_start), "prefill-0's old process, reported dead, was back in rotation"
+    failed = [o for o in outcomes if o.status != "length"]
+    to_error = [o.ended - max(o.sent, cut) for o in failed]
+    assert all(t <= KV_TIMEOUT_S + MARGIN_S for t in to_error), to_error
+    report("prefill host cut", requests=len(outcomes),
+           prefilling_at_cut=sum(o.sent < cut and not any(a <= cut for a in o.arrivals)
+                                 for o in outcomes), failed=len(failed),
+           time_to_error_max_s=max(to_error, default=0.0), time_to_replacement_up_s=back_s,
+           ttft_after_heal_max_s=max(o.ttft_s for o in served))
+    settled(site)
+
+
+def test_kv_pushes_over_a_slow_lossy_link(site):
+    """50 ms ± 10 ms and 2% loss between the prefill host and both decode hosts (netem): the KV
+    pushes are slower, the tokens the same. Skipped where the kernel has no sch_netem."""
+    prompts = random_prompts(4, 240, seed=5)
+    want = site.greedy(prompts, 8)
+
+    async def run():
+        async with grpc.aio.insecure_channel(site.deployment.address) as channel:
+            return await asyncio.gather(*(generate(channel, f"slow-{i}", p, 8)
+                                          for i, p in enumerate(prompts)))
+
+    with site.network.netem("p", ["d1", "d2"], delay_ms=50, jitter_ms=10, loss_pct=2):
+        outcomes = asyncio.run(run())
+    check_outcomes(outcomes, want)
+    report("netem 50±10 ms, 2% loss p<->d", ttft_max_s=max(o.ttft_s for o in outcomes),
+           e2e_max_s=max(o.ended - o.sent for o in outcomes))
+    settled(site)
