@@ -99,7 +99,10 @@ class RedisServer:
         extra_args: Sequence[str] = (),
         persist: bool = False,
         max_memory_bytes: int = DEFAULT_MAX_MEMORY_BYTES,
+        launcher: Sequence[str] = (),
     ) -> None:
+        """`launcher`: a command the server runs under, e.g. `ip netns exec NAME` (it must
+        exec the server, so the process this starts and stops is redis-server itself)."""
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in [0, 65535] (0 = pick a free one), got {port}")
         if host not in defaults.LOOPBACK_HOSTS and password is None:
@@ -118,6 +121,7 @@ class RedisServer:
         self.startup_timeout_s = startup_timeout_s
         self.binary = binary or redis_server_binary()
         self.extra_args = tuple(extra_args)
+        self.launcher = tuple(launcher)
         self.persist = persist
         self.max_memory_bytes = max_memory_bytes
         self._port = port
@@ -203,7 +207,7 @@ class RedisServer:
             # group) would stop it at once, under the requests a drain lets finish; its owner
             # stops it last (`stop`, at exit too)
             self._proc = subprocess.Popen(
-                [self.binary, conf, *self.extra_args],
+                [*self.launcher, self.binary, conf, *self.extra_args],
                 cwd=self._dir, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 process_group=0,
             )

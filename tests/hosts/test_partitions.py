@@ -1,8 +1,10 @@
-"""pdserve over four hosts (network namespaces on one bridge), started as a user starts it:
-`ray start` on each host, then `pdserve up --ray-address <head> --worker-host auto` on the head.
+"""pdserve over five hosts (network namespaces on one bridge), started as a user starts it:
+`ray start` on each host, then `pdserve up --ray-address <head> --worker-host auto --redis-url
+<r>` on the head.
 
-Host a: the Ray head (no CPUs) and `pdserve up` (router, bundled Redis). Host p: the prefill
-worker. Hosts d1 and d2: one decode worker each. One cluster and one deployment for the module;
+Host a: the Ray head (no CPUs) and `pdserve up` (the router). Host p: the prefill worker. Hosts
+d1 and d2: one decode worker each. Host r: Redis (sessions, the prefix index), outside the Ray
+cluster, as a managed Redis would be. One cluster and one deployment for the module;
 each case leaves it as it found it and ends with the same check: every request ended with the
 tokens the offline engine generates greedily, or with a clean error status (its tokens so far
 a prefix of those); then every worker is up and holds no KV block, one worker process per
@@ -12,8 +14,10 @@ worker host, and nothing is queued or in flight in the router.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import re
+import secrets
 import tempfile
 import time
 from collections.abc import Sequence
@@ -23,15 +27,24 @@ import grpc
 import httpx
 import psutil
 import pytest
+import redis
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.launch.redis_server import RedisServer
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
-from tests.e2e.harness import stats, token_prompts, wait_until
+from pdserve.redis_keys import (
+    DEFAULT_NAMESPACE,
+    PUBLIC_TENANT,
+    prefix_key,
+    scoped_session_id,
+    session_key,
+)
+from tests.e2e.harness import health, stats, token_prompts, wait_until
 from tests.hosts.deployment import Deployment, pdserve_up, ray_cluster
 from tests.hosts.netns import Network, hosts
 
 NODES = {"p": (1, {"prefill": 1}), "d1": (1, {"decode": 1}), "d2": (1, {"decode": 1})}
-HOSTS = ("a", *NODES)
+HOSTS = ("a", *NODES, "r")
 SILENCE_S = 3.0  # --worker-silence-s: a cut is seen within it
 KV_TIMEOUT_S = 10.0  # --kv-transfer-timeout-s: a prompt's prefill and push end within it
 ENV = {  # small and quick, as tests/e2e run the tiny model
@@ -44,11 +57,15 @@ FLAGS = ["--decode-workers", "2", "--worker-silence-s", f"{SILENCE_S:g}",
          "--kv-transfer-timeout-s", f"{KV_TIMEOUT_S:g}"]
 # the worker processes each host runs: one prefill or decode actor, none on the head
 ACTORS = {"a": [], "p": ["ray::PrefillActor"], "d1": ["ray::DecodeRankActor"],
-          "d2": ["ray::DecodeRankActor"]}
+          "d2": ["ray::DecodeRankActor"], "r": []}
 CLEAN_ERRORS = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")  # what a client retries on
 REQUEST_TIMEOUT_S = 90.0
 SETTLE_S = 90.0  # a worker relaunched after a cut loads its model again
 MARGIN_S = 3.0
+REDIS_PORT = 6379  # host r's own network namespace: nothing else binds there
+REDIS_HEALTH = "pdserve.redis"  # the router's health service for its Redis
+REDIS_HEALTH_S = 2.0  # "pdserve.redis" flips within it (a PING every 0.5 s, 50 ms budget)
+FAIL_OPEN_E2E_S = 1.0  # a 16-token turn of a session, Redis cut off (0.15 s + 2 x 50 ms)
 
 
 @dataclass
@@ -56,6 +73,7 @@ class Site:
     network: Network
     deployment: Deployment
     model_dir: str
+    redis: RedisServer  # in host r
     _offline: object = None
     _greedy: dict = field(default_factory=dict)
 
@@ -83,11 +101,19 @@ class Site:
 def site(tiny_llama_dir, request):
     failed = request.session.testsfailed
     with tempfile.TemporaryDirectory(prefix="pdh", dir="/tmp") as tmp, hosts(HOSTS) as network:
-        cluster = ray_cluster(network, "a", NODES, tmp)
-        with pdserve_up(network, "a", cluster, str(tiny_llama_dir), FLAGS, ENV) as deployment:
-            yield Site(network, deployment, str(tiny_llama_dir))
-            if request.session.testsfailed > failed:  # what the service saw, for the report
-                print("pdserve up's log, last 300 lines:\n" + "".join(deployment.lines[-300:]))
+        # the redis-server pdserve bundles, configured as it configures it, in host r
+        r = network.hosts["r"].address
+        with RedisServer(REDIS_PORT, r, secrets.token_urlsafe(24),
+                         launcher=network.command("r", [])) as redis:
+            cluster = ray_cluster(network, "a", NODES, tmp)
+            flags = [*FLAGS, "--redis-url", f"redis://{r}:{REDIS_PORT}/0"]
+            env = {**ENV, "PDSERVE_REDIS_PASSWORD": redis.password}  # as docs/deploy.md says
+            with pdserve_up(network, "a", cluster, str(tiny_llama_dir), flags,
+                            env) as deployment:
+                yield Site(network, deployment, str(tiny_llama_dir), redis)
+                if request.session.testsfailed > failed:  # what the service saw, for the report
+                    print("pdserve up's log, last 300 lines:\n"
+                          + "".join(deployment.lines[-300:]))
 
 
 # ---- clients ----
@@ -116,11 +142,11 @@ class Outcome:
 
 async def generate(channel: grpc.aio.Channel, request_id: str, prompt: Sequence[int],
                    max_tokens: int, started: asyncio.Event | None = None,
-                   out: Outcome | None = None) -> Outcome:
+                   out: Outcome | None = None, session_id: str = "") -> Outcome:
     """One greedy Generate; `out` (returned) fills in as the messages come."""
     sampling = pdserve_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     request = pdserve_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt),
-                                          sampling=sampling)
+                                          sampling=sampling, session_id=session_id)
     out = out if out is not None else Outcome()
     out.sent = time.monotonic()
     try:
@@ -214,6 +240,28 @@ def migrations(site: Site) -> float:
     text = httpx.get(site.deployment.metrics_url, timeout=10).text
     match = re.search(r'^pdserve_router_migrations_total\{outcome="ok"\} (\S+)$', text, re.M)
     return float(match[1]) if match else 0.0
+
+
+def redis_client(site: Site) -> redis.Redis:
+    """A client of host r's Redis from here (the root namespace reaches every host)."""
+    return redis.Redis.from_url(site.redis.url, socket_timeout=2, socket_connect_timeout=2)
+
+
+def redis_up_gauge(site: Site) -> float | None:
+    text = httpx.get(site.deployment.metrics_url, timeout=10).text
+    match = re.search(r"^pdserve_redis_up (\S+)$", text, re.M)
+    return float(match[1]) if match else None
+
+
+def redis_servers(site: Site) -> dict[str, int]:
+    """How many redis-server processes each host runs."""
+    found = {}
+    for host in HOSTS:
+        found[host] = 0
+        for pid in site.network.pids(host):
+            with contextlib.suppress(psutil.Error):  # its title is "<path> <address>:<port>"
+                found[host] += psutil.Process(pid).name() == "redis-server"
+    return found
 
 
 def report(case: str, **numbers: float) -> None:
@@ -402,4 +450,84 @@ def test_kv_pushes_over_a_slow_lossy_link(site):
     check_outcomes(outcomes, want)
     report("netem 50±10 ms, 2% loss p<->d", ttft_max_s=max(o.ttft_s for o in outcomes),
            e2e_max_s=max(o.ended - o.sent for o in outcomes))
+    settled(site)
+
+
+def test_redis_host_cut_fails_open(site):
+    """Redis's host cut off while 4 streams run, and 4 requests sent during the cut, each of a
+    session (its lookup and its store time out): Redis is an optimisation (sessions, prefix
+    routing), so every one ends with the undisturbed tokens, none slowed past its budget. The
+    router's "pdserve.redis" health reads NOT_SERVING (and pdserve_redis_up 0) within
+    REDIS_HEALTH_S of the cut, while the streams still run, and SERVING (1) again within
+    REDIS_HEALTH_S of the restore; then requests succeed as before, their sessions stored."""
+    # the deployment's Redis is r's: the one redis-server, where the prefill worker publishes
+    assert redis_servers(site) == {h: int(h == "r") for h in HOSTS}, redis_servers(site)
+    prompts, max_tokens = random_prompts(4, 64, seed=6), 400
+    during, after = random_prompts(4, 64, seed=7), random_prompts(2, 64, seed=8)
+    want = site.greedy(prompts, max_tokens)
+    want_during, want_after = site.greedy(during, 16), site.greedy(after, 16)
+    address, network = site.deployment.address, site.network
+    assert health(address, REDIS_HEALTH) == "SERVING" and redis_up_gauge(site) == 1.0
+
+    def health_reads(status: str) -> float:
+        wait_until(lambda: health(address, REDIS_HEALTH) == status, REDIS_HEALTH_S + MARGIN_S,
+                   f"{REDIS_HEALTH} {status}")
+        return time.monotonic()
+
+    def gauge_reads(value: float) -> float:  # set just after the health, in the same tick
+        with contextlib.suppress(AssertionError):
+            wait_until(lambda: redis_up_gauge(site) == value, 1.0, "pdserve_redis_up")
+        return redis_up_gauge(site)
+
+    async def run():
+        async with grpc.aio.insecure_channel(address) as channel:
+            started = [asyncio.Event() for _ in prompts]
+            streams = [asyncio.create_task(generate(channel, f"redis-{i}", p, max_tokens, e,
+                                                    session_id=f"redis-{i}"))
+                       for i, (p, e) in enumerate(zip(prompts, started))]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+            with redis_client(site) as client:  # their prompts' blocks, published in r
+                await asyncio.to_thread(wait_until, lambda: client.scard(
+                    prefix_key(DEFAULT_NAMESPACE, "prefill-0")), 10, "the prefix index in r")
+            cut = time.monotonic()
+            network.cut("r")
+            try:
+                degraded = await asyncio.to_thread(health_reads, "NOT_SERVING")
+                gauge_cut = await asyncio.to_thread(gauge_reads, 0.0)
+                sent = await asyncio.gather(*(generate(channel, f"redis-cut-{i}", p, 16,
+                                                       session_id=f"redis-cut-{i}")
+                                              for i, p in enumerate(during)))
+                outcomes = await asyncio.wait_for(asyncio.gather(*streams), REQUEST_TIMEOUT_S)
+                cut_s = time.monotonic() - cut
+            finally:
+                network.restore("r")
+            restored = time.monotonic()
+            back = await asyncio.to_thread(health_reads, "SERVING")
+            gauge_back = await asyncio.to_thread(gauge_reads, 1.0)
+            later = await asyncio.gather(*(generate(channel, f"redis-after-{i}", p, 16,
+                                                    session_id=f"redis-after-{i}")
+                                           for i, p in enumerate(after)))
+            return (degraded - cut, back - restored, cut_s, outcomes, sent, later, gauge_cut,
+                    gauge_back, sum(o.ended > degraded for o in outcomes))
+
+    (to_degraded_s, to_serving_s, cut_s, outcomes, sent, later, gauge_cut, gauge_back,
+     streaming_when_degraded) = asyncio.run(run())
+    check_outcomes(outcomes, want)
+    check_outcomes(sent, want_during)
+    check_outcomes(later, want_after)
+    assert to_degraded_s <= REDIS_HEALTH_S and to_serving_s <= REDIS_HEALTH_S, (
+        to_degraded_s, to_serving_s)
+    assert (gauge_cut, gauge_back) == (0.0, 1.0), (gauge_cut, gauge_back)
+    assert streaming_when_degraded == len(outcomes), "streams ended before the router noticed"
+    e2e_cut = max(o.ended - o.sent for o in sent)
+    assert e2e_cut <= FAIL_OPEN_E2E_S, f"a request during the cut took {e2e_cut:.2f} s"
+    with redis_client(site) as client:  # sessions are on again: the later turns are stored
+        stored = [client.exists(session_key(DEFAULT_NAMESPACE, scoped_session_id(
+            PUBLIC_TENANT, f"redis-after-{i}"))) for i in range(len(after))]
+    assert stored == [1] * len(after), stored
+    report("redis host r cut", time_to_not_serving_s=to_degraded_s,
+           time_back_to_serving_s=to_serving_s, cut_s=cut_s,
+           ttft_max_during_cut_s=max(o.ttft_s for o in sent), e2e_max_during_cut_s=e2e_cut,
+           e2e_max_after_restore_s=max(o.ended - o.sent for o in later),
+           stream_stall_max_s=max(o.stall(o.sent) for o in outcomes))
     settled(site)

@@ -45,6 +45,18 @@ def test_start_stop_restart_on_the_same_port():
     assert not server.running and server.log_path is None  # temp dir removed
 
 
+def test_a_launcher_runs_the_server_under_it():
+    """`launcher` prefixes the command (tests/hosts runs it under `ip netns exec`): `env` execs
+    the server, so the process started, waited for and stopped is redis-server itself."""
+    with RedisServer(port=0, launcher=("env", "PDSERVE_UNDER_LAUNCHER=1")) as server:
+        client = _client(server.url)
+        info = client.info("server")
+        assert client.ping() and info["process_id"] == server._proc.pid
+        assert info["executable"].endswith("redis-server")
+    with pytest.raises(redis.ConnectionError):
+        client.ping()
+
+
 def test_password_required():
     with RedisServer(port=0, password='s3cr"t @/x') as server:
         assert server.url.startswith("redis://:s3cr%22t%20%40%2Fx@127.0.0.1:")
