@@ -268,6 +268,24 @@ def report(case: str, **numbers: float) -> None:
     print(f"hosts: {case}: " + ", ".join(f"{k} {v:.2f}" for k, v in numbers.items()))
 
 
+def greedy_round(site: Site, case: str, tag: str, prompts: Sequence[Sequence[int]],
+                 max_tokens: int) -> None:
+    """The prompts at once, each to its undisturbed greedy tokens; their TTFT and E2E
+    reported; the deployment left settled."""
+    want = site.greedy(prompts, max_tokens)
+
+    async def run():
+        async with grpc.aio.insecure_channel(site.deployment.address) as channel:
+            return await asyncio.gather(*(generate(channel, f"{tag}-{i}", p, max_tokens)
+                                          for i, p in enumerate(prompts)))
+
+    outcomes = asyncio.run(run())
+    check_outcomes(outcomes, want)
+    report(case, ttft_max_s=max(o.ttft_s for o in outcomes),
+           e2e_max_s=max(o.ended - o.sent for o in outcomes))
+    settled(site)
+
+
 # ---- the cases ----
 
 def test_prefill_and_decode_run_on_their_own_hosts(site):
@@ -280,19 +298,7 @@ def test_prefill_and_decode_run_on_their_own_hosts(site):
     assert {site.host_of("decode-0"), site.host_of("decode-1")} == {"d1", "d2"}
     assert actor_processes(site) == ACTORS
 
-    prompts = token_prompts(4, seed=1)
-    want = site.greedy(prompts, 16)
-
-    async def run():
-        async with grpc.aio.insecure_channel(site.deployment.address) as channel:
-            return await asyncio.gather(*(generate(channel, f"across-{i}", p, 16)
-                                          for i, p in enumerate(prompts)))
-
-    outcomes = asyncio.run(run())
-    check_outcomes(outcomes, want)
-    report("across hosts", ttft_max_s=max(o.ttft_s for o in outcomes),
-           e2e_max_s=max(o.ended - o.sent for o in outcomes))
-    settled(site)
+    greedy_round(site, "across hosts", "across", token_prompts(4, seed=1), 16)
 
 
 def test_decode_host_cut_mid_stream_migrates_and_is_readmitted(site):
@@ -437,20 +443,9 @@ def test_prefill_host_cut_mid_prefill(site):
 def test_kv_pushes_over_a_slow_lossy_link(site):
     """50 ms ± 10 ms and 2% loss between the prefill host and both decode hosts (netem): the KV
     pushes are slower, the tokens the same. Skipped where the kernel has no sch_netem."""
-    prompts = random_prompts(4, 240, seed=5)
-    want = site.greedy(prompts, 8)
-
-    async def run():
-        async with grpc.aio.insecure_channel(site.deployment.address) as channel:
-            return await asyncio.gather(*(generate(channel, f"slow-{i}", p, 8)
-                                          for i, p in enumerate(prompts)))
-
     with site.network.netem("p", ["d1", "d2"], delay_ms=50, jitter_ms=10, loss_pct=2):
-        outcomes = asyncio.run(run())
-    check_outcomes(outcomes, want)
-    report("netem 50±10 ms, 2% loss p<->d", ttft_max_s=max(o.ttft_s for o in outcomes),
-           e2e_max_s=max(o.ended - o.sent for o in outcomes))
-    settled(site)
+        greedy_round(site, "netem 50±10 ms, 2% loss p<->d", "slow",
+                     random_prompts(4, 240, seed=5), 8)
 
 
 def test_redis_host_cut_fails_open(site):
