@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 from google.protobuf.message import DecodeError
 
+from pdserve.address import host_port
 from pdserve.router.h2.limits import DEFAULT_LIMITS, Limits
 from pdserve.router.h2.server import Method, bind_sockets
 from pdserve.tls import TLSFiles
@@ -44,7 +45,7 @@ class GrpcioServer:
         refused here, as by the default front."""
         self._held = bind_sockets(host.strip("[]"), port)
         port = self._held[0].getsockname()[1]
-        self._address = f"[{host.strip('[]')}]:{port}" if ":" in host else f"{host}:{port}"
+        self._address = host_port(host, port)
         return port
 
     async def start(self, tls: TLSFiles | None = None) -> None:

@@ -26,8 +26,7 @@
  *
  * Numerics are the Python path's, bit for bit: the GEMMs are linear_bf16.c's own `gemm_cols` (its
  * source is included: the packed layout and micro-kernels, AMX's too, are not written twice),
- * SiLU * up is
- * silu_and_mul.c's (included too), and the combine does what `run_experts` does: each bf16
+ * SiLU * up is silu_and_mul.c's (included too), and the combine does what `run_experts` does: each bf16
  * expert output times its fp32 routing weight in fp32, added in sorted (expert) order into
  * fp32 zeros, as `index_add_` adds, rounded to bf16 once. Against `fused_moe_ref` that is
  * the reference's rounding points with linear_bf16's GEMM sums in place of torch's.

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
 COST_MODELS = ("measured", "profile")
+_TEXT_KEYS = ("name", "cost_model")  # every other key is a number
 
 
 @dataclass(frozen=True)
@@ -66,14 +67,14 @@ class PlannerPolicy:
     cost_model: str = "measured"
 
     def __post_init__(self) -> None:
-        for key in ("name", "cost_model"):
+        for key in _TEXT_KEYS:
             if not isinstance(getattr(self, key), str):
                 raise ValueError(f"{key}: must be a string, got {getattr(self, key)!r}")
         if self.cost_model not in COST_MODELS:
             raise ValueError(f"cost_model: must be one of {', '.join(COST_MODELS)}, got "
                              f"{self.cost_model!r}")
         for f in fields(self):
-            if f.name not in ("name", "cost_model"):
+            if f.name not in _TEXT_KEYS:
                 _check_number(f.name, getattr(self, f.name), f.type == "int")
         for key in ("interval_s", "ttft_target_s", "itl_target_s"):
             if getattr(self, key) <= 0:
