@@ -44,7 +44,7 @@ WHEELS = ROOT / ".gpu_check" / "wheels"
 # image has; the install step then installs those the image lacks.
 ROOTS = ("transformers", "xgrammar", "jsonschema", "grpcio", "protobuf", "safetensors", "pytest")
 IMAGE_HAS = ("torch", "triton", "numpy")
-ALWAYS = ("pdserve", "protobuf")  # the stubs need this protobuf, whatever the image has
+ALWAYS = ("pdserve", "protobuf", "grpcio")  # the stubs need these, whatever the image has
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 PROBE = """
 import json, os, sys

@@ -305,7 +305,8 @@ class FusedExperts(torch.nn.Module):
             if 0 <= local < self.local_experts:
                 i, start = self.inter, self.inter_start
                 dim = 1 if part == "down" else 0
-                self._quantized[local, part] = tensor.narrow(dim, start, i).contiguous()
+                weight = tensor.narrow(dim, start, i).to(self.w13.device).contiguous()
+                self._quantized[local, part] = weight
                 self._loaded.add(f"{local}.{part}")
             return
         if expert:

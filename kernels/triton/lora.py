@@ -14,8 +14,9 @@ against that slot's weights:
 
 Operands are upcast to fp32 after each load. Shrink's dot then runs in x's half type on a GPU
 (bf16 x and a: exact products, fp32 sums); expand's in fp32 (buf is fp32): IEEE for fp32 y,
-tf32 for a half y, whose rounding is coarser than tf32's. The interpreter is fp32 throughout
-(`launch.dot_dtype`).
+tf32x3 for a half y. Plain tf32 is not enough even there: its error scales with the terms, not
+the sum, so where the terms cancel it exceeds y's one rounding (on an H200, 15 of 1140 bf16
+outputs were off by up to 14 %). The interpreter is fp32 throughout (`launch.dot_dtype`).
 """
 
 from __future__ import annotations
@@ -187,4 +188,4 @@ def lora_expand(
         y, buf, b, _offsets(slice_offsets, y.device), mapping.segment_starts,
         mapping.segment_slots, out, rank, buf.shape[1], col_blocks,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION="ieee" if y.dtype == torch.float32 or interpreting() else "tf32")
+        PRECISION="ieee" if y.dtype == torch.float32 or interpreting() else "tf32x3")

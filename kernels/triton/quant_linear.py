@@ -35,27 +35,20 @@ MAX_BLOCK_K = 64
 
 
 @triton.jit
-def _quant_linear_kernel(
-    out_ptr,  # [T, N]
-    x_ptr,  # [T, K]
-    qweight_ptr,  # [N, K] int8, or [N, K / 2] uint8 (INT4)
-    scales_ptr,  # [N, K / GROUP_SIZE] fp32
-    offsets_ptr,  # [N, K / GROUP_SIZE] fp32 (INT4 only)
-    bias_ptr,  # [N] (HAS_BIAS only)
-    num_tokens, out_features, num_groups,
-    stride_x, stride_o, stride_q, stride_s, stride_z,
-    GROUP_SIZE: tl.constexpr, INT4: tl.constexpr, HAS_BIAS: tl.constexpr,
+def quant_tile(
+    x_rows,  # [BLOCK_M, 1] pointers: each row's start in x
+    row_mask,  # [BLOCK_M]
+    w_cols,  # [1, BLOCK_N] pointers: each output column's row of the integer weights
+    col_mask,  # [BLOCK_N]
+    s_cols,  # [BLOCK_N] pointers: each column's scales, one per group
+    z_cols,  # [BLOCK_N] pointers: each column's offsets (INT4 only)
+    num_groups,
+    GROUP_SIZE: tl.constexpr, INT4: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < num_tokens
-    col_mask = cols < out_features
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
-    w_cols = qweight_ptr + cols.to(tl.int64)[None, :] * stride_q
-    s_cols = scales_ptr + cols.to(tl.int64) * stride_s
-    z_cols = offsets_ptr + cols.to(tl.int64) * stride_z
+    """One [BLOCK_M, BLOCK_N] tile of x @ dequantize(w).T in fp32 (the module doc's method);
+    also the quantized experts' grouped GEMM's (`kernels.triton.fused_moe`)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for g in range(0, num_groups):
         part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -85,6 +78,32 @@ def _quant_linear_kernel(
         if INT4:
             offset = tl.load(z_cols + g, mask=col_mask, other=0.0)
             acc += x_sum[:, None] * offset[None, :]
+    return acc
+
+
+@triton.jit
+def _quant_linear_kernel(
+    out_ptr,  # [T, N]
+    x_ptr,  # [T, K]
+    qweight_ptr,  # [N, K] int8, or [N, K / 2] uint8 (INT4)
+    scales_ptr,  # [N, K / GROUP_SIZE] fp32
+    offsets_ptr,  # [N, K / GROUP_SIZE] fp32 (INT4 only)
+    bias_ptr,  # [N] (HAS_BIAS only)
+    num_tokens, out_features, num_groups,
+    stride_x, stride_o, stride_q, stride_s, stride_z,
+    GROUP_SIZE: tl.constexpr, INT4: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < num_tokens
+    col_mask = cols < out_features
+    acc = quant_tile(
+        x_ptr + rows.to(tl.int64)[:, None] * stride_x, row_mask,
+        qweight_ptr + cols.to(tl.int64)[None, :] * stride_q, col_mask,
+        scales_ptr + cols.to(tl.int64) * stride_s, offsets_ptr + cols.to(tl.int64) * stride_z,
+        num_groups, GROUP_SIZE, INT4, BLOCK_M, BLOCK_N, BLOCK_K, DOT, PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     dst = out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]

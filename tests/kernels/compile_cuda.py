@@ -149,17 +149,24 @@ def variants():
                {"y_ptr": x, "buf_ptr": "fp32", "b_ptr": x, "slice_offsets_ptr": "i32",
                 **segments},
                dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=16,
-                    PRECISION="ieee" if x == "fp32" else "tf32"))
-    # w13 + SiLU*up; w2; gpt-oss's biases and swigluoai on both
-    for gated, x, oai in ((True, "bf16", False), (False, "bf16", False), (True, "fp32", False),
-                          (True, "bf16", True), (False, "bf16", True)):
+                    PRECISION="ieee" if x == "fp32" else "tf32x3"))
+    # w13 + SiLU*up; w2; gpt-oss's biases and swigluoai on both; int8 and int4 experts
+    for gated, x, oai, bits in ((True, "bf16", False, 0), (False, "bf16", False, 0),
+                                (True, "fp32", False, 0), (True, "bf16", True, 0),
+                                (False, "bf16", True, 0), (True, "bf16", False, 8),
+                                (False, "bf16", False, 8), (True, "bf16", True, 4),
+                                (False, "fp32", False, 4)):
         dot = tl.float32 if x == "fp32" else tl.bfloat16
+        weight = {0: x, 8: "i8", 4: "u8"}[bits]
         yield (f"fused_moe {'w13 gated' if gated else 'w2 weighted'} {x}"
-               f"{' bias swigluoai' if oai else ''}", _moe_gemm_kernel,
-               {"c_ptr": x, "a_ptr": x, "b_ptr": x, "bias_ptr": x, "weights_ptr": "fp32",
+               f"{' bias swigluoai' if oai else ''}{f' int{bits}' if bits else ''}",
+               _moe_gemm_kernel,
+               {"c_ptr": x, "a_ptr": x, "b_ptr": weight, "scales_ptr": "fp32",
+                "offsets_ptr": "fp32", "bias_ptr": x, "weights_ptr": "fp32",
                 "sorted_ids_ptr": "i64", "block_experts_ptr": "i64"},
                dict(A_ROW_DIV=8 if gated else 1, GATED=gated, WEIGHTED=not gated,
-                    HAS_BIAS=oai, ACTIVATION=int(oai), BLOCK_M=16, BLOCK_N=64, BLOCK_K=64,
+                    HAS_BIAS=oai, ACTIVATION=int(oai), QUANT=bits, GROUP_SIZE=32 if bits else 1,
+                    BLOCK_M=16, BLOCK_N=64, BLOCK_K=32 if bits else 64,
                     DOT=dot, PRECISION="ieee" if x == "fp32" else "tf32"))
 
 

@@ -5,14 +5,15 @@ The kernel tests build their cases on the CPU and compare with the torch referen
 In GPU mode every Triton entry point a test module imported is swapped for `shuttled(fn,
 device)`, so every existing case and tolerance runs unchanged against the compiled kernels:
 
-- each distinct storage the arguments view (inside lists, tuples, dicts and dataclasses too) is
+- each distinct storage the arguments view (inside lists, tuples, dicts and data classes too) is
   copied once to the device and every argument is rebuilt as the same view of the copy, so
   strides, offsets and aliasing (a cache and its views, an in-place output) are kept;
 - after the call every copied storage is written back to the original: an in-place kernel's
   writes land in the test's own tensors;
 - a returned tensor that views a copied storage becomes the same view of the original; any
   other tensor comes back as a CPU copy; a returned object (a prepared kernel holding device
-  weights) comes back shuttled, so calling it later goes through the same copies.
+  weights, a callable data class too) comes back shuttled, so calling it later goes through the
+  same copies.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class Shuttled:
 
     def __init__(self, target: Any, device: torch.device) -> None:
         self._target, self._device = target, device
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # isinstance() sees the target's class
+        return type(self._target)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return shuttled(self._target, self._device)(*args, **kwargs)
@@ -85,7 +90,7 @@ def _map(obj: Any, tensor: Callable[[torch.Tensor], torch.Tensor],
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     if isinstance(obj, dict):
         return {k: _map(v, tensor, other) for k, v in obj.items()}
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type) and not callable(obj):
         fields = {f.name: _map(getattr(obj, f.name), tensor, other)
                   for f in dataclasses.fields(obj) if f.init}
         return dataclasses.replace(obj, **fields)

@@ -44,6 +44,7 @@ from pdserve.kernels.reference.fused_moe import (
     fused_moe_ref,
     moe_align,
 )
+from pdserve.kernels.triton import fused_moe as triton_moe  # its classes, unswapped in GPU mode
 from pdserve.kernels.triton.fused_moe import fused_moe
 
 E, H, INTER = 8, 128, 64  # multiples of the CPU's 64-column tiles: bf16 runs the packed kernel
@@ -274,14 +275,36 @@ def test_quantized_cpu_experts_match_the_reference(bits, group, dtype):
     close(kernel(x, weights, ids, start), want, TOL[dtype], dtype)
 
 
-@pytest.mark.parametrize("bits,group", [(4, 32), (8, 0)])
-def test_quantized_triton_experts_match_the_reference(bits, group):
+@pytest.mark.parametrize("bits,group,dtype", [(4, 32, torch.float32), (8, 0, torch.float32),
+                                              (4, 32, torch.bfloat16)])
+def test_quantized_triton_experts_match_the_reference(bits, group, dtype):
+    """Quantized experts stack into the grouped GEMMs (no host sync: CUDA graphs capture
+    them), whose tiles are the quantized linear kernel's."""
     weights, ids, start = routing("idle_experts", E)  # two experts: four interpreted launches
     w13, w2 = quantized_experts(bits, group)
-    x = dense_experts(E, H, INTER)[0][:ids.shape[0]]
-    kernel = get_backend("cpu", "triton").prepare_experts(w13, w2, torch.float32)
+    x = dense_experts(E, H, INTER)[0][:ids.shape[0]].to(dtype)
+    kernel = get_backend("cpu", "triton").prepare_experts(w13, w2, dtype)
+    assert isinstance(kernel, triton_moe.TritonExperts)
+    assert isinstance(kernel.w13, triton_moe.StackedQuantized)
+    assert kernel.w13.shape == (E, 2 * INTER, H) and kernel.w2.shape == (E, H, INTER)
     want = fused_moe_ref(x, w13, w2, weights, ids, expert_start=start)
-    close(kernel(x, weights, ids, start), want, TOL[torch.float32], torch.float32)
+    close(kernel(x, weights, ids, start), want, TOL[dtype], dtype)
+
+
+def test_quantized_experts_that_do_not_stack_run_one_expert_at_a_time():
+    """Groups the kernel does not take, or experts of mixed widths: `LinearExperts`, equal to
+    the reference all the same."""
+    weights, ids, start = routing("idle_experts", E)
+    _, dense13, dense2 = dense_experts(E, H, INTER)
+    x = dense_experts(E, H, INTER)[0][:ids.shape[0]]
+    mixed = ([quantize(w, 8 if e % 2 else 4, 32) for e, w in enumerate(dense13)],
+             [quantize(w, 8, 32) for w in dense2])
+    small = ([quantize(w, 8, 8) for w in dense13], [quantize(w, 8, 8) for w in dense2])
+    for w13, w2 in (mixed, small):
+        kernel = get_backend("cpu", "triton").prepare_experts(w13, w2, torch.float32)
+        assert isinstance(kernel, LinearExperts)
+        want = fused_moe_ref(x, w13, w2, weights, ids, expert_start=start)
+        close(kernel(x, weights, ids, start), want, TOL[torch.float32], torch.float32)
 
 
 def test_torch_backend_prepares_the_reference():

@@ -33,6 +33,7 @@ from pdserve.kernels.cpu.swigluoai_and_mul import swigluoai_and_mul_cpu
 from pdserve.kernels.quant_weights import dequantize, quantize
 from pdserve.kernels.reference.fused_moe import ExpertsRef, LinearExperts, fused_moe_ref
 from pdserve.kernels.reference.swigluoai_and_mul import swigluoai_and_mul_ref
+from pdserve.kernels.triton import fused_moe as triton_moe  # its classes, unswapped in GPU mode
 from pdserve.kernels.triton.fused_moe import fused_moe
 
 E, H, INTER = 8, 192, 128  # multiples of the CPU's 64-column tiles: bf16 runs fused_moe.c
@@ -233,10 +234,13 @@ def test_quantized_experts_with_biases(bits, group):
                        "w2": torch.stack([dequantize(q) for q in w2]),
                        "w13_bias": w["w13_bias"], "w2_bias": w["w2_bias"]})
     close(want, gpt_oss_experts(x, deq, ids, weights, 2), 1e-5, torch.float32)
-    names = ["triton"] + (["cpu"] if CpuBackend.available() else [])
-    for name in names:
+    prepared = {  # Triton: stacked for the grouped GEMMs; the CPU: one linear an expert
+        "triton": lambda k: isinstance(k, triton_moe.TritonExperts)
+        and isinstance(k.w13, triton_moe.StackedQuantized) and k.variant.w13_bias is not None,
+        "cpu": lambda k: isinstance(k, LinearExperts) and k.w13_bias is not None}
+    for name in ["triton"] + (["cpu"] if CpuBackend.available() else []):
         kernel = get_backend("cpu", name).prepare_experts(w13, w2, torch.float32, **oai(w))
-        assert isinstance(kernel, LinearExperts) and kernel.w13_bias is not None
+        assert prepared[name](kernel)
         close(kernel(x, weights, ids, 2), want, 1e-5, torch.float32)
 
 

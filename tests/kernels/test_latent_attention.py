@@ -311,9 +311,10 @@ def test_latent_attention_equals_plain_attention(name):
     w_uk = torch.randn(H, NOPE, RANK, generator=gen) / RANK**0.5
     w_uv = torch.randn(H, V_DIM, RANK, generator=gen) / RANK**0.5
 
-    def expand(latent):  # the layer's kv_b_proj: [S, rank] -> ([S, H, nope], [S, H, v])
-        return (torch.einsum("sl,hnl->shn", latent, w_uk),
-                torch.einsum("sl,hvl->shv", latent, w_uv))
+    def expand(latent):  # the layer's kv_b_proj: [S, rank] -> ([S, H, nope], [S, H, v]),
+        # on the latent's device, as the layer's own weights are (GPU mode: CUDA)
+        return (torch.einsum("sl,hnl->shn", latent, w_uk.to(latent.device)),
+                torch.einsum("sl,hvl->shv", latent, w_uv.to(latent.device)))
 
     scale = (NOPE + ROPE) ** -0.5
     out = ops.latent_attention(q_nope, q_pe, entry, (case.cache,), meta, scale, w_uk, w_uv,

@@ -22,8 +22,7 @@ from pdserve.kernels.lora_mapping import lora_mapping
 from pdserve.kernels.reference.lora import lora_expand_ref, lora_shrink_ref
 from pdserve.kernels.triton.lora import lora_expand, lora_shrink
 
-ROOMS = {"torch": (lora_shrink_ref, lora_expand_ref), "cpu": (lora_shrink_cpu, lora_expand_cpu),
-         "triton": (lora_shrink, lora_expand)}
+ROOMS = ("torch", "cpu", "triton")
 PATTERNS = {  # each token's slot; -1: no adapter
     "mixed": [0, 0, 0, -1, -1, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 3, -1, 2, 2],
     "prefill": [-1, -1] + [1] * 70 + [0] * 3 + [-1],  # more rows than a 64-row block
@@ -32,6 +31,11 @@ PATTERNS = {  # each token's slot; -1: no adapter
 SLICES = {1: (0, 29), 2: (0, 24, 37), 3: (0, 20, 33, 57)}  # widths not multiples of 16
 NUM_SLOTS, DIM = 4, 40
 
+
+def kernels(room: str):
+    """A room's (shrink, expand), looked up at the call: GPU mode swaps the Triton ones."""
+    return {"torch": (lora_shrink_ref, lora_expand_ref), "cpu": (lora_shrink_cpu, lora_expand_cpu),
+            "triton": (lora_shrink, lora_expand)}[room]
 
 def random_case(slots: list[int], offsets: tuple[int, ...], rank: int, dtype: torch.dtype,
                 dim: int = DIM, seed: int = 0):
@@ -77,7 +81,7 @@ def assert_expanded(got: torch.Tensor, y: torch.Tensor, want: torch.Tensor, slot
 def test_shrink(room, dtype, pattern, rank):
     slots = PATTERNS[pattern]
     x, a, _, _ = random_case(slots, SLICES[3], rank, dtype)
-    buf = ROOMS[room][0](x, a, lora_mapping(np.array(slots), torch.device("cpu")))
+    buf = kernels(room)[0](x, a, lora_mapping(np.array(slots), torch.device("cpu")))
     assert buf.dtype == torch.float32 and buf.shape == (len(slots), 3 * rank)
     assert (buf[torch.tensor(slots) < 0] == 0).all()
     torch.testing.assert_close(buf.double(), shrink_oracle(x, a, slots), rtol=1e-5, atol=1e-4)
@@ -92,7 +96,7 @@ def test_expand(room, dtype, pattern, num_slices, rank):
     _, _, b, y = random_case(slots, offsets, rank, dtype, seed=1)
     buf = torch.randn(len(slots), num_slices * rank, generator=torch.Generator().manual_seed(2))
     got = y.clone()
-    ROOMS[room][1](got, buf, b, lora_mapping(np.array(slots), torch.device("cpu")), offsets)
+    kernels(room)[1](got, buf, b, lora_mapping(np.array(slots), torch.device("cpu")), offsets)
     assert_expanded(got, y, expand_oracle(y, buf, b, slots, offsets), slots)
 
 
@@ -103,7 +107,7 @@ def test_wider_than_one_block(room, dtype):
     kernels' 16-wide chunks, with tails)."""
     slots, offsets = PATTERNS["mixed"], (0, 80, 101, 150)
     x, a, b, y = random_case(slots, offsets, 32, dtype, dim=136, seed=5)
-    shrink, expand = ROOMS[room]
+    shrink, expand = kernels(room)
     mapping = lora_mapping(np.array(slots), torch.device("cpu"))
     buf = shrink(x, a, mapping)
     torch.testing.assert_close(buf.double(), shrink_oracle(x, a, slots), rtol=1e-5, atol=1e-4)
