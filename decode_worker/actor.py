@@ -83,11 +83,13 @@ def make_tp(
 
 
 def kv_listener(spec: WorkerSpec, secret: ClusterSecret, rank: int = 0, port: int = 0,
-                host_store: bool = True) -> GlooListener:
-    """Rank `rank`'s KV listener: it hosts the rendezvous store (rank 0) or joins rank 0's
-    at `port`; its data groups carry tensors of the spec's device (NCCL on CUDA)."""
-    return GlooListener(spec.host, rank=rank, port=port, host_store=host_store,
-                        device=spec.device, connect_timeout_s=CONNECT_TIMEOUT_S, secret=secret)
+                store_host: str | None = None) -> GlooListener:
+    """Rank `rank`'s KV listener, bound on its own host: rank 0's hosts the rendezvous store,
+    another rank's joins it at `store_host:port` (rank 0's node, maybe not its own); its data
+    groups carry tensors of the spec's device (NCCL on CUDA)."""
+    return GlooListener(spec.host, rank=rank, port=port, host_store=store_host is None,
+                        device=spec.device, connect_timeout_s=CONNECT_TIMEOUT_S, secret=secret,
+                        store_host=store_host)
 
 
 def pull_transport(spec: WorkerSpec, secret: ClusterSecret, endpoints: list[Endpoint],
@@ -146,7 +148,7 @@ class DecodeRankActor:
                          self.spec.enable_expert_parallel)
         if self.listener is None:
             self.listener = kv_listener(self.spec, self.secret, self.rank, kv_port,
-                                        host_store=False)
+                                        store_host=host)
         endpoints = [Endpoint(host, kv_port, r) for r in range(self.tp_size)]
         args = (self.spec.engine_config(), tp, self.listener, endpoints, self.spec.model_name)
         if self.rank == 0:

@@ -2,7 +2,8 @@
 
 Every decode rank listens on an endpoint (host, port, rank): a TCPStore it hosts itself
 (`GlooListener(host, secret=...)`, port 0 = any free port, read back from `.endpoint`), or
-the store of its TP rank 0 (`GlooListener(host, rank=r, port=p, host_store=False, ...)`);
+the store of its TP rank 0 (`GlooListener(host, rank=r, port=p, host_store=False,
+store_host=rank 0's host, ...)`, rank 0 maybe on another node);
 keys are namespaced by rank. The hosted store listens on `host` only (a socket bound here and
 handed to TCPStore: by default TCPStore listens on every interface). Nothing read from the
 store is unpickled, and nothing read from it is trusted before its HMAC checked out.
@@ -211,13 +212,21 @@ class GlooConnector(Connector):
 
 class GlooListener(Listener):
     """Receiver side: hosts (or joins) a TCPStore and accepts channels in a thread; `device`
-    as for GlooConnector (the receiving KV cache's: NCCL data groups on CUDA)."""
+    as for GlooConnector (the receiving KV cache's: NCCL data groups on CUDA). `host` is the
+    address this rank binds (its store, when it hosts one, and its groups' pairs);
+    `store_host` where the store it joins listens (a TP follower's: rank 0's host, which may
+    be another node's), `host` by default. Senders address it by the store's."""
 
     def __init__(
         self, host: str = "127.0.0.1", rank: int = 0, port: int = 0, host_store: bool = True,
         device: torch.device | str = "cpu", connect_timeout_s: float = 10.0, *,
         secret: ClusterSecret, max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
+        store_host: str | None = None,
     ) -> None:
+        store_host = host if store_host is None else store_host
+        if host_store and store_host != host:
+            raise ValueError(f"a listener hosting its store binds it on its own host {host}, "
+                             f"not {store_host}")
         if type(max_pending_handshakes) is not int or max_pending_handshakes < 1:
             raise ValueError(f"max_pending_handshakes must be an int >= 1, "
                              f"got {max_pending_handshakes!r}")
@@ -234,10 +243,10 @@ class GlooListener(Listener):
             # TCPStore takes the already-bound socket (and owns the fd from here on).
             self._master = dist.TCPStore(host, port, None, True, timeout=self.timeout,
                                          wait_for_workers=False, master_listen_fd=sock.detach())
-        self.endpoint = Endpoint(host, port, rank)
+        self.endpoint = Endpoint(store_host, port, rank)
         self._prefix = store_prefix(rank)
-        self._accept_store = _client(host, port, self.timeout)  # only the accept thread
-        self._reason_store = _client(host, port, self.timeout)  # never blocked on
+        self._accept_store = _client(store_host, port, self.timeout)  # only the accept thread
+        self._reason_store = _client(store_host, port, self.timeout)  # never blocked on
         self.reasons = StoreReasons(self._reason_store)
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None

@@ -22,3 +22,5 @@ METRICS_URL = f"http://{HOST}:{METRICS_PORT}/metrics"
 # A worker reads the Redis password from its environment (set by the pool, like the cluster
 # secret): never from its actor arguments or a URL handed to it.
 REDIS_PASSWORD_ENV = "PDSERVE_REDIS_PASSWORD"
+# Where a decode group's ranks go: Ray's placement strategies, STRICT_PACK (one node) first.
+TP_PLACEMENTS = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")

@@ -32,6 +32,18 @@ PING_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 10.0
 
 
+def fits_apart(bundles: Sequence[Counter[str]], nodes: Sequence[dict[str, float]]) -> bool:
+    """Whether each bundle fits a node of its own: the first (rank 0's, with the role's
+    resource) on one node, the others, alike, on as many other nodes."""
+    def holds(res: dict[str, float], bundle: Counter[str]) -> bool:
+        return all(res.get(k, 0) >= n for k, n in bundle.items())
+
+    first, rest = bundles[0], bundles[1:]
+    return any(holds(home, first) and sum(
+        holds(res, rest[0]) for j, res in enumerate(nodes) if j != i) >= len(rest)
+        for i, home in enumerate(nodes)) if rest else any(holds(res, first) for res in nodes)
+
+
 class WorkerPool:
     """Every worker of one deployment: places, starts, supervises, scales and stops them."""
 
@@ -42,6 +54,7 @@ class WorkerPool:
         decode_tp: int | Sequence[int] = 1,
         gpus: bool = False,
         num_cpus: float | None = None,
+        tp_placement: str = "STRICT_PACK",
         start_timeout_s: float = START_TIMEOUT_S,
         ping_timeout_s: float = PING_TIMEOUT_S,
         *,
@@ -58,7 +71,7 @@ class WorkerPool:
         tps = [decode_tp] * len(decode) if isinstance(decode_tp, int) else list(decode_tp)
         if len(tps) != len(decode) or any(tp < 1 for tp in tps):
             raise ValueError(f"decode_tp must be one size >= 1 per decode worker, got {tps}")
-        self.gpus, self.num_cpus = gpus, num_cpus
+        self.gpus, self.num_cpus, self.tp_placement = gpus, num_cpus, tp_placement
         self.start_timeout_s, self.ping_timeout_s = start_timeout_s, ping_timeout_s
         workers = [self._worker(s, PREFILL, 1) for s in prefill]
         workers += [self._worker(s, DECODE, tp) for s, tp in zip(decode, tps)]
@@ -72,7 +85,8 @@ class WorkerPool:
 
     def _worker(self, spec: WorkerSpec, role: str, tp_size: int) -> Worker:
         return Worker(spec, role, tp_size, self.num_cpus or spec.num_threads or 1, self.gpus,
-                      secret=self.secret, redis_password=self.redis_password)
+                      secret=self.secret, redis_password=self.redis_password,
+                      tp_placement=self.tp_placement)
 
     # ---- start ----
 
@@ -108,11 +122,14 @@ class WorkerPool:
                 "'{\"prefill\": 1}'` on prefill nodes and '{\"decode\": 1}' on decode nodes")
         nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
         for w in self._workers.values():
-            group = w.group_bundle()
-            if group and not any(all(res.get(k, 0) >= n for k, n in group.items())
-                                 for res in nodes):
-                raise ValueError(f"{w.worker_id}: no node of the Ray cluster holds its TP "
-                                 f"group of {w.tp_size} ({dict(group)}) on its own")
+            bundles = w.node_bundles()
+            if bundles and not fits_apart(bundles, nodes):
+                where = ("on one node" if len(bundles) == 1 else
+                         f"on {len(bundles)} nodes, one rank each")
+                raise ValueError(
+                    f"{w.worker_id}: the Ray cluster has no room for its TP group of "
+                    f"{w.tp_size} {where} ({[dict(b) for b in bundles]}, {w.tp_placement}); "
+                    "add nodes, or let ranks cross nodes (--decode-tp-placement PACK)")
 
     def _wait(self, pending: dict[str, list[Any]], deadline: float) -> None:
         owner = {ref: wid for wid, refs in pending.items() for ref in refs}

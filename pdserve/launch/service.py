@@ -236,6 +236,7 @@ class Service:
             prefill=prefill,
             decode=decode,
             decode_tp=s.decode_tp,
+            tp_placement=s.decode_tp_placement,
             gpus=s.device.startswith("cuda"),
             ping_timeout_s=s.worker_silence_s,
             secret=self.secret,

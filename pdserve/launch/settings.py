@@ -104,6 +104,10 @@ class ServeSettings:
     prefill_workers: int = _opt(1, "prefill workers")
     decode_workers: int = _opt(1, "decode worker groups")
     decode_tp: int = _opt(1, "tensor-parallel ranks per decode group")
+    decode_tp_placement: str = _opt(
+        "STRICT_PACK", "where a decode group's ranks go, as Ray places them: STRICT_PACK (one "
+        "node) | PACK (one node where one holds them, else several) | SPREAD | STRICT_SPREAD "
+        "(a node each); across nodes, activations cross the network every layer")
     enable_expert_parallel: bool = _opt(
         False, "MoE models: each decode rank holds num_experts / decode_tp experts whole "
         "(expert parallelism) instead of a slice of every expert")
@@ -232,6 +236,10 @@ class ServeSettings:
         if self.prefill_placement not in PREFILL_PLACEMENTS:
             raise ValueError(f"prefill_placement must be adaptive or fixed, got "
                              f"{self.prefill_placement!r}")
+        if self.decode_tp_placement not in defaults.TP_PLACEMENTS:
+            raise ValueError("decode_tp_placement must be one of "
+                             f"{', '.join(defaults.TP_PLACEMENTS)}, "
+                             f"got {self.decode_tp_placement!r}")
         if self.grpc_server not in GRPC_SERVERS:
             raise ValueError(f"grpc_server must be one of {', '.join(GRPC_SERVERS)}, got "
                              f"{self.grpc_server!r}")

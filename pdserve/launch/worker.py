@@ -1,9 +1,11 @@
 """Worker: one worker of the pool as Ray holds it, its actors and (decode) placement group.
 
 A prefill worker is one actor, placed by the `prefill` resource. A decode worker is a TP
-group: one actor per rank in one STRICT_PACK placement group whose bundle 0 holds the
-`decode` resource. Ray never restarts an actor itself (max_restarts=0): a TP group only works
-whole, so a failed worker is killed and launched again, every rank, under the same worker_id.
+group: one actor per rank in one placement group whose bundle 0 holds the `decode` resource,
+placed by the deployment's strategy (`defaults.TP_PLACEMENTS`, Ray's: STRICT_PACK, every rank
+on one node, by default; PACK or SPREAD, ranks may cross nodes; STRICT_SPREAD, a node each).
+Ray never restarts an actor itself (max_restarts=0): a TP group only works whole, so a failed
+worker is killed and launched again, every rank, under the same worker_id.
 Every actor starts with the cluster secret (and the Redis password) in its environment
 (Ray's runtime_env), so neither travels in argv, actor arguments or logs.
 """
@@ -76,8 +78,13 @@ class Worker:
     """The actors of one worker; `info` is its WorkerInfo while it serves, else None."""
 
     def __init__(self, spec: WorkerSpec, role: str, tp_size: int, cpus: float,
-                 gpus: bool, *, secret: ClusterSecret, redis_password: str | None = None) -> None:
+                 gpus: bool, *, secret: ClusterSecret, redis_password: str | None = None,
+                 tp_placement: str = "STRICT_PACK") -> None:
+        if tp_placement not in defaults.TP_PLACEMENTS:
+            raise ValueError("tp_placement must be one of "
+                             f"{', '.join(defaults.TP_PLACEMENTS)}, got {tp_placement!r}")
         self.spec, self.role, self.tp_size = spec, role, tp_size
+        self.tp_placement = tp_placement
         self.env = secret.to_env() | (
             {defaults.REDIS_PASSWORD_ENV: redis_password} if redis_password else {})
         self.cpus, self.gpus = cpus, gpus  # per actor (each decode rank is one)
@@ -101,12 +108,14 @@ class Worker:
         bundle = {"CPU": self.cpus} | ({"GPU": 1} if self.gpus else {})
         return bundle | ({self.role: 1} if rank == 0 else {})
 
-    def group_bundle(self) -> Counter[str]:
-        """What a decode group needs on one node (empty for a prefill worker)."""
-        group: Counter[str] = Counter()
-        for rank in range(self.tp_size if self.role == DECODE else 0):
-            group.update(self.bundle(rank))
-        return group
+    def node_bundles(self) -> list[Counter[str]]:
+        """What the worker needs of each node its placement strategy binds it to: a
+        STRICT_PACK group's ranks together on one, a STRICT_SPREAD group's each on its own;
+        none where Ray may place the ranks as they fit (a prefill worker, PACK, SPREAD)."""
+        if self.role != DECODE or self.tp_placement not in ("STRICT_PACK", "STRICT_SPREAD"):
+            return []
+        ranks = [Counter(self.bundle(r)) for r in range(self.tp_size)]
+        return ranks if self.tp_placement == "STRICT_SPREAD" else [sum(ranks, Counter())]
 
     def launch(self) -> list[Any]:
         """Create the actors; refs whose first value is the worker's address once it serves."""
@@ -125,7 +134,7 @@ class Worker:
             if self._pg is None or placement_group_table(self._pg).get("state") in (
                     None, "REMOVED"):
                 self._pg = placement_group([self.bundle(r) for r in range(self.tp_size)],
-                                           strategy="STRICT_PACK")
+                                           strategy=self.tp_placement)
             self._actors = [
                 cls.options(
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, r),
@@ -161,7 +170,8 @@ class Worker:
             return f"{self.worker_id} needs {self.bundle(0)}"
         state = placement_group_table(self._pg).get("state") if self._pg is not None else None
         bundles = [self.bundle(r) for r in range(self.tp_size)]
-        return f"{self.worker_id} needs one node for {bundles} (placement group {state})"
+        return (f"{self.worker_id} needs {bundles} placed {self.tp_placement} (placement "
+                f"group {state})")
 
     def close(self) -> None:
         """Retire the worker: a launch from now on fails (one under way finishes first)."""

@@ -198,10 +198,30 @@ def test_decode_tp2_group_in_one_placement_group_restarts_whole(pool, tiny_llama
         group.shutdown()
 
 
+def test_decode_tp2_group_spread_over_two_nodes(pool, tiny_llama_dir):
+    """STRICT_SPREAD: rank 0 on the decode node, rank 1 on the other; the group's all-reduces
+    cross nodes and its output is the engine's all the same."""
+    prefill = by_id(pool)["prefill-0"]
+    group = WorkerPool(decode=[spec(tiny_llama_dir, "decode-spread")], decode_tp=2,
+                       tp_placement="STRICT_SPREAD", secret=SECRET)
+    try:
+        [info] = group.start()
+        rank0, rank1 = group.node_ids("decode-spread")
+        assert rank0 != rank1 and "decode" in node_resources()[rank0]["Resources"]
+        prompt = list(range(5, 40))
+        expected = run_engine(EngineCore(engine_config(tiny_llama_dir)), [prompt],
+                              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        assert generate(prefill, info, "spread-a", prompt, 8) == expected[0]
+    finally:
+        group.shutdown()
+
+
 @pytest.mark.parametrize("kwargs, missing", [
     ({"prefill": 2}, "prefill: needs 2, the cluster has 1"),
     ({"prefill": 1, "gpus": True}, "GPU: needs 1, the cluster has 0"),
-    ({"decode": 1, "decode_tp": 3, "num_cpus": 2}, "no node of the Ray cluster holds"),
+    ({"decode": 1, "decode_tp": 3, "num_cpus": 2}, "no room for its TP group of 3 on one node"),
+    ({"decode": 1, "decode_tp": 3, "num_cpus": 1, "tp_placement": "STRICT_SPREAD"},
+     "no room for its TP group of 3 on 3 nodes, one rank each"),
 ])
 def test_pool_fails_fast_on_missing_resources(ray_cluster, tiny_llama_dir, kwargs, missing):
     kwargs = dict(kwargs)

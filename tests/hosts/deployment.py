@@ -26,6 +26,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
+from pdserve.proto import pdserve_pb2
+from tests.e2e.harness import stats, wait_until
 from tests.hosts.netns import Network
 
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -152,3 +156,38 @@ def pdserve_up(network: Network, host: str, cluster: RayCluster, model_dir: str,
         time.sleep(0.2)
     print(f"pdserve up serving on {deployment.address} in {time.monotonic() - started:.1f} s")
     yield deployment
+
+
+def actor_processes(network: Network) -> dict[str, list[str]]:
+    """The worker processes (Ray actors, by class) in each host's network namespace."""
+    found = {}
+    for host in network.hosts:
+        found[host] = []
+        for pid in network.pids(host):
+            try:
+                title = psutil.Process(pid).cmdline()[0]
+            except (psutil.Error, IndexError):
+                continue  # gone meanwhile
+            if title.startswith(("ray::PrefillActor", "ray::DecodeRankActor")):
+                found[host].append(title.split()[0].split(".")[0])  # "ray::Class.method ..."
+    return found
+
+
+def settled(network: Network, address: str, workers: list[str],
+            actors: Mapping[str, list[str]], timeout: float) -> pdserve_pb2.Stats:
+    """Wait until `workers` are all up and hold no block, nothing is queued or in flight,
+    and each host runs the worker processes of `actors` (none left over from a relaunch)."""
+    def check():
+        now = stats(address)
+        found = {w.worker_id: w for w in now.workers}
+        ok = (sorted(found) == sorted(workers)
+              and all(w.up and w.num_used_blocks == 0 for w in found.values())
+              and now.num_queued == 0 and now.num_inflight == 0
+              and actor_processes(network) == actors)
+        return ok and now
+
+    try:
+        return wait_until(check, timeout, "every worker up and idle, the router empty")
+    except AssertionError:
+        print(stats(address), actor_processes(network))
+        raise

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import re
 import secrets
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import httpx
@@ -29,9 +28,8 @@ import psutil
 import pytest
 import redis
 
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.launch.redis_server import RedisServer
-from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.proto import pdserve_pb2
 from pdserve.redis_keys import (
     DEFAULT_NAMESPACE,
     PUBLIC_TENANT,
@@ -40,8 +38,18 @@ from pdserve.redis_keys import (
     session_key,
 )
 from tests.e2e.harness import health, stats, token_prompts, wait_until
-from tests.hosts.deployment import Deployment, pdserve_up, ray_cluster
+from tests.hosts.deployment import Deployment, actor_processes, pdserve_up, ray_cluster
+from tests.hosts.deployment import settled as deployment_settled
 from tests.hosts.netns import Network, hosts
+from tests.hosts.traffic import (
+    REQUEST_TIMEOUT_S,
+    Greedy,
+    Outcome,
+    check_outcomes,
+    generate,
+    random_prompts,
+    report,
+)
 
 NODES = {"p": (1, {"prefill": 1}), "d1": (1, {"decode": 1}), "d2": (1, {"decode": 1})}
 HOSTS = ("a", *NODES, "r")
@@ -58,8 +66,6 @@ FLAGS = ["--decode-workers", "2", "--worker-silence-s", f"{SILENCE_S:g}",
 # the worker processes each host runs: one prefill or decode actor, none on the head
 ACTORS = {"a": [], "p": ["ray::PrefillActor"], "d1": ["ray::DecodeRankActor"],
           "d2": ["ray::DecodeRankActor"], "r": []}
-CLEAN_ERRORS = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")  # what a client retries on
-REQUEST_TIMEOUT_S = 90.0
 SETTLE_S = 90.0  # a worker relaunched after a cut loads its model again
 MARGIN_S = 3.0
 REDIS_PORT = 6379  # host r's own network namespace: nothing else binds there
@@ -74,27 +80,12 @@ class Site:
     deployment: Deployment
     model_dir: str
     redis: RedisServer  # in host r
-    _offline: object = None
-    _greedy: dict = field(default_factory=dict)
+    greedy: Greedy
 
     def host_of(self, worker_id: str) -> str:
         """The host whose address the router dials `worker_id` at."""
         address = self.deployment.worker_addresses()[worker_id].rsplit(":", 1)[0]
         return next(name for name, h in self.network.hosts.items() if h.address == address)
-
-    def greedy(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
-        """The offline engine's greedy tokens for each prompt (the undisturbed output)."""
-        if self._offline is None:
-            from pdserve.llm import LLM
-
-            self._offline = LLM(self.model_dir, max_model_len=512, num_kv_blocks=256,
-                                num_threads=1)
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        missing = [list(p) for p in prompts if (tuple(p), max_tokens) not in self._greedy]
-        for prompt, out in zip(missing, self._offline.generate(missing, params) if missing
-                               else ()):
-            self._greedy[(tuple(prompt), max_tokens)] = list(out.token_ids)
-        return [self._greedy[(tuple(p), max_tokens)] for p in prompts]
 
 
 @pytest.fixture(scope="module")
@@ -110,113 +101,19 @@ def site(tiny_llama_dir, request):
             env = {**ENV, "PDSERVE_REDIS_PASSWORD": redis.password}  # as docs/deploy.md says
             with pdserve_up(network, "a", cluster, str(tiny_llama_dir), flags,
                             env) as deployment:
-                yield Site(network, deployment, str(tiny_llama_dir), redis)
+                yield Site(network, deployment, str(tiny_llama_dir), redis,
+                           Greedy(str(tiny_llama_dir)))
                 if request.session.testsfailed > failed:  # what the service saw, for the report
                     print("pdserve up's log, last 300 lines:\n"
                           + "".join(deployment.lines[-300:]))
 
 
-# ---- clients ----
-
-@dataclass
-class Outcome:
-    """One greedy Generate as its client saw it."""
-
-    status: str = ""  # the finish reason ("length"), or the gRPC status it ended with
-    tokens: list[int] = field(default_factory=list)
-    sent: float = 0.0  # time.monotonic() of the call, of each message, of its end
-    arrivals: list[float] = field(default_factory=list)
-    ended: float = 0.0
-
-    @property
-    def ttft_s(self) -> float | None:
-        return self.arrivals[0] - self.sent if self.arrivals else None
-
-    def stall(self, since: float) -> float:
-        """The longest wait for a message after `since` (to its end, if it never came)."""
-        times = [since, *(a for a in self.arrivals if a > since)]
-        if self.status != "length":
-            times.append(self.ended)
-        return max(b - a for a, b in zip(times, times[1:])) if len(times) > 1 else 0.0
-
-
-async def generate(channel: grpc.aio.Channel, request_id: str, prompt: Sequence[int],
-                   max_tokens: int, started: asyncio.Event | None = None,
-                   out: Outcome | None = None, session_id: str = "") -> Outcome:
-    """One greedy Generate; `out` (returned) fills in as the messages come."""
-    sampling = pdserve_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    request = pdserve_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt),
-                                          sampling=sampling, session_id=session_id)
-    out = out if out is not None else Outcome()
-    out.sent = time.monotonic()
-    try:
-        async for message in pdserve_pb2_grpc.InferenceStub(channel).Generate(
-                request, timeout=REQUEST_TIMEOUT_S):
-            out.arrivals.append(time.monotonic())
-            out.tokens.extend(message.token_ids)
-            out.status = message.finish_reason or out.status
-            if started is not None:
-                started.set()
-    except grpc.aio.AioRpcError as exc:
-        out.status = exc.code().name
-    finally:
-        out.ended = time.monotonic()
-        if started is not None:
-            started.set()
-    return out
-
-
-def check_outcomes(outcomes: Sequence[Outcome], expected: Sequence[list[int]],
-                   errors: bool = False) -> None:
-    """Each request has the undisturbed greedy tokens, or (`errors`) ended with a clean error
-    status after a prefix of them."""
-    for i, (out, want) in enumerate(zip(outcomes, expected, strict=True)):
-        if out.status == "length":
-            assert out.tokens == want, f"request {i}: tokens differ from the undisturbed run"
-        else:
-            assert errors and out.status in CLEAN_ERRORS, f"request {i} ended {out.status}"
-            assert out.tokens == want[:len(out.tokens)], f"request {i}: wrong tokens"
-
-
-def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 4000) for _ in range(length)] for _ in range(n)]
-
-
 # ---- the deployment's state ----
 
-def actor_processes(site: Site) -> dict[str, list[str]]:
-    """The worker processes (Ray actors, by class) in each host's network namespace."""
-    found = {}
-    for host in HOSTS:
-        found[host] = []
-        for pid in site.network.pids(host):
-            try:
-                title = psutil.Process(pid).cmdline()[0]
-            except (psutil.Error, IndexError):
-                continue  # gone meanwhile
-            if title.startswith(("ray::PrefillActor", "ray::DecodeRankActor")):
-                found[host].append(title.split()[0].split(".")[0])  # "ray::Class.method ..."
-    return found
-
-
 def settled(site: Site, timeout: float = SETTLE_S) -> pdserve_pb2.Stats:
-    """Wait until every worker is up and holds no block, nothing is queued or in flight, and
-    each worker host runs its one worker process (none left over from a relaunch)."""
-    def check():
-        now = stats(site.deployment.address)
-        workers = {w.worker_id: w for w in now.workers}
-        ok = (sorted(workers) == ["decode-0", "decode-1", "prefill-0"]
-              and all(w.up and w.num_used_blocks == 0 for w in workers.values())
-              and now.num_queued == 0 and now.num_inflight == 0
-              and actor_processes(site) == ACTORS)
-        return ok and now
-
-    try:
-        return wait_until(check, timeout, "every worker up and idle, the router empty")
-    except AssertionError:
-        print(stats(site.deployment.address), actor_processes(site))
-        raise
+    """Every worker up and idle, one worker process per worker host (`deployment.settled`)."""
+    return deployment_settled(site.network, site.deployment.address,
+                              ["decode-0", "decode-1", "prefill-0"], ACTORS, timeout)
 
 
 def replaced(site: Site, worker_id: str, old_address: str) -> bool:
@@ -264,10 +161,6 @@ def redis_servers(site: Site) -> dict[str, int]:
     return found
 
 
-def report(case: str, **numbers: float) -> None:
-    print(f"hosts: {case}: " + ", ".join(f"{k} {v:.2f}" for k, v in numbers.items()))
-
-
 def greedy_round(site: Site, case: str, tag: str, prompts: Sequence[Sequence[int]],
                  max_tokens: int) -> None:
     """The prompts at once, each to its undisturbed greedy tokens; their TTFT and E2E
@@ -296,7 +189,7 @@ def test_prefill_and_decode_run_on_their_own_hosts(site):
     assert not any(a.startswith(("127.", "0.0.0.0", "localhost")) for a in addresses.values())
     assert site.host_of("prefill-0") == "p"
     assert {site.host_of("decode-0"), site.host_of("decode-1")} == {"d1", "d2"}
-    assert actor_processes(site) == ACTORS
+    assert actor_processes(site.network) == ACTORS
 
     greedy_round(site, "across hosts", "across", token_prompts(4, seed=1), 16)
 

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from pdserve.kvtransfer import (
+    Endpoint,
     ErrorCode,
     GlooConnector,
     GlooListener,
@@ -30,12 +31,15 @@ from tests.kvtransfer.kvdata import (
 SOURCE = endpoints(1000, 1)
 
 
-@pytest.fixture
-def rig():
-    """One prefill rank (TP=1) -> two decode ranks (TP=2) sharing rank 0's store."""
+@pytest.fixture(params=["127.0.0.1", "127.0.0.2"])
+def rig(request):
+    """One prefill rank (TP=1) -> two decode ranks (TP=2) sharing rank 0's store; rank 1 on
+    rank 0's address, or on another (as on another node: it binds its own, joins rank 0's
+    store there, and senders reach it through that store)."""
     rank0 = GlooListener("127.0.0.1", rank=0, connect_timeout_s=5, secret=SECRET)
-    rank1 = GlooListener("127.0.0.1", rank=1, port=rank0.endpoint.port, host_store=False,
-                         connect_timeout_s=5, secret=SECRET)
+    rank1 = GlooListener(request.param, rank=1, port=rank0.endpoint.port, host_store=False,
+                         connect_timeout_s=5, secret=SECRET, store_host="127.0.0.1")
+    assert rank1.endpoint == Endpoint("127.0.0.1", rank0.endpoint.port, 1)
     dests = [zero_caches(TINY, 16, 2), zero_caches(TINY, 16, 2)]
     receivers = [KVReceiver(TINY, lst, 2, caches) for lst, caches in zip((rank0, rank1), dests)]
     source = full_caches(TINY, 12, seed=5)

@@ -19,7 +19,8 @@ NON_BOOL = [f.name for f in FIELDS if not isinstance(f.default, bool)]
 CHOICES = {"mode": ("disaggregated", "colocated"), "tool_call_parser": ("hermes", "llama3_json"),
            "reasoning_parser": ("deepseek_r1", "qwen3"),
            "scheduling_policy": ("srpt", "fcfs"), "prefill_placement": ("adaptive", "fixed"),
-           "grpc_server": ("h2", "grpcio")}
+           "grpc_server": ("h2", "grpcio"),
+           "decode_tp_placement": ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")}
 # text fields whose values have a form: valid samples
 SAMPLES = {"speculative_config": [f'{{"method": "ngram", "num_speculative_tokens": {n}}}'
                                   for n in (1, 2, 3)],
