@@ -27,19 +27,22 @@ START_ATTEMPTS = 2
 
 
 @contextlib.contextmanager
-def local_cluster(nodes: Sequence[tuple[int, dict[str, float]]]) -> Iterator:
-    """`nodes`: (num_cpus, custom resources) per node, the first is the head. Yields the
-    cluster with this process connected to it as the driver."""
+def local_cluster(nodes: Sequence[tuple[int, dict[str, float]]],
+                  ray_env: dict[str, str] | None = None) -> Iterator:
+    """`nodes`: (num_cpus, custom resources) per node, the first is the head; `ray_env`: more
+    environment (RAY_* system config) for the cluster's processes. Yields the cluster with
+    this process connected to it as the driver."""
     from pdserve.launch.ray_runtime import start_ray, stop_ray
 
+    ray_env = dict(ray_env or {})
     saved = {k: os.environ.get(k)  # start_ray may set RAY_AUTH_MODE (a token is at hand)
-             for k in ("RAY_TMPDIR", "RAY_USAGE_STATS_ENABLED", "RAY_AUTH_MODE")}
+             for k in ("RAY_TMPDIR", "RAY_USAGE_STATS_ENABLED", "RAY_AUTH_MODE", *ray_env)}
     started = time.monotonic()
     tmpdir = cluster = None
     try:
         for attempt in range(1, START_ATTEMPTS + 1):
             tmpdir = tempfile.mkdtemp(prefix="pdray", dir="/tmp")
-            os.environ.update(RAY_TMPDIR=tmpdir, RAY_USAGE_STATS_ENABLED="0")
+            os.environ.update(ray_env, RAY_TMPDIR=tmpdir, RAY_USAGE_STATS_ENABLED="0")
             before = _descendants()
             try:
                 cluster = _start(nodes)

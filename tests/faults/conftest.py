@@ -28,11 +28,16 @@ SLOW_MODEL = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers"
 # (logical CPUs, resources) per node: room for a module's own service (up to 2 prefill workers,
 # a decode TP-2 group or 2 decode workers) beside the package's shared one
 NODES = [(4, {"prefill": 4}), (8, {"decode": 4})]
+# A killed actor gets SIGTERM, then SIGKILL after Ray's kill_worker_timeout_milliseconds (5 s
+# by default). A SIGSTOPped worker never handles the SIGTERM, so each relaunch of one
+# (tests/faults/test_kill_matrix.py) waited those 5 s for its old process to go; the SIGKILL
+# is what ends it either way.
+RAY_ENV = {"RAY_kill_worker_timeout_milliseconds": "500"}
 
 
 @pytest.fixture(scope="package")
 def ray_cluster():
-    with local_cluster(NODES) as cluster:
+    with local_cluster(NODES, RAY_ENV) as cluster:
         yield cluster
 
 

@@ -24,7 +24,7 @@ from tests.integration.hf_reference import hf_greedy, mixed_prompts
 from tests.integration.test_tensor_parallel import make_config, run_group, run_requests
 from tests.tiny_models import write_mxfp4_twin, write_tiny_model
 from tests.workers.pd import engine_config, generate_pd, loopback_pair, run_engine
-from tests.workers.processes import start_decode_group, start_prefill
+from tests.workers.processes import spawn_prefill, start_decode_group, wait_ready
 from tests.workers.test_processes_pd import assert_all_free, run_batch
 
 MAX_TOKENS = 12
@@ -191,12 +191,14 @@ def test_latent_kv_into_an_expert_parallel_decode_group_of_two(checkpoint, promp
     experts whole."""
     model_dir = checkpoint("deepseek-v3-qlora-grouped")
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    expected = run_engine(EngineCore(engine_config(model_dir)), prompts, params)
-    hosts = start_decode_group(model_dir, tp_size=2, expert_parallel=True)
-    prefill = start_prefill(model_dir)
+    prefill = spawn_prefill(model_dir)  # starts while the group does and `expected` runs
+    hosts = []
     try:
+        hosts = start_decode_group(model_dir, tp_size=2, expert_parallel=True)
+        expected = run_engine(EngineCore(engine_config(model_dir)), prompts, params)
         ids = [f"r{i}" for i in range(len(prompts))]
-        firsts = run_batch(prefill, hosts[0], ids, [list(p) for p in prompts], params)
+        firsts = run_batch(wait_ready(prefill), hosts[0], ids, [list(p) for p in prompts],
+                           params)
         assert all("first_token" in r for r in firsts.values()), firsts
         assert [hosts[0].call("collect", id=rid)["tokens"] for rid in ids] == expected
         assert_all_free(hosts[0])

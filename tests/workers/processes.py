@@ -65,11 +65,21 @@ class Host:
 
 
 def start_prefill(model_dir, **extra) -> Host:
+    return wait_ready(spawn_prefill(model_dir, **extra))
+
+
+def spawn_prefill(model_dir, **extra) -> Host:
+    """A prefill worker process, still starting (`wait_ready` before its first call): a
+    test can start one while it uses another."""
     port = free_port()
     host = Host({"role": "prefill", "model_dir": str(model_dir), "identity_port": port, **extra})
     host.source = ["127.0.0.1", port, 0]  # the identity its descriptors name as the source
-    assert host.read().get("ready"), "prefill worker did not start"
     return host
+
+
+def wait_ready(prefill: Host) -> Host:
+    assert prefill.read().get("ready"), "prefill worker did not start"
+    return prefill
 
 
 def start_decode_group(model_dir, tp_size: int, **extra) -> list[Host]:

@@ -17,14 +17,17 @@ from pdserve.engine.lora_request import LoRARequest
 from pdserve.engine.sampling_params import SamplingParams
 from tests.integration.hf_reference import mixed_prompts
 from tests.workers.pd import engine_config, run_engine
-from tests.workers.processes import params_json, start_decode_group, start_prefill
+from tests.workers.processes import params_json, spawn_prefill, start_decode_group, wait_ready
 from tests.workers.test_loopback_pd import single_engine
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(params=[2])
+@pytest.fixture(scope="module", params=[2])
 def decode_group(tiny_llama_dir, request):
+    """Rank 0 of a decode group of `request.param` processes, one group per size for the module
+    (a group takes ~5 s to start): every case uses its own request ids and ends asserting that
+    the group holds no block, so the next case finds it as new."""
     hosts = start_decode_group(tiny_llama_dir, tp_size=request.param)
     yield hosts[0]
     for host in hosts:  # rank 0's close stops the followers too
@@ -68,11 +71,11 @@ def test_decode_group_matches_single_engine(tiny_llama_dir, tiny_lora_dirs, deco
     adapters = [None, *(LoRARequest(n, i, str(p))
                         for i, (n, p) in enumerate(sorted(tiny_lora_dirs.items()), 1))]
     loras = [adapters[i % len(adapters)] for i in range(len(prompts))]
-    expected = run_engine(EngineCore(engine_config(tiny_llama_dir)), prompts, PARAMS, loras)
-    prefill = start_prefill(tiny_llama_dir)
+    prefill = spawn_prefill(tiny_llama_dir)  # starts while this process computes `expected`
     try:
+        expected = run_engine(EngineCore(engine_config(tiny_llama_dir)), prompts, PARAMS, loras)
         ids = [f"r{i}" for i in range(len(prompts))]
-        firsts = run_batch(prefill, decode_group, ids, prompts, PARAMS,
+        firsts = run_batch(wait_ready(prefill), decode_group, ids, prompts, PARAMS,
                            [dataclasses.asdict(a) if a else None for a in loras])
         assert all("first_token" in r for r in firsts.values()), firsts
         replies = [decode_group.call("collect", id=rid) for rid in ids]
@@ -90,15 +93,19 @@ def test_decode_group_matches_single_engine(tiny_llama_dir, tiny_lora_dirs, deco
 def test_prefill_killed_mid_push_fails_only_its_requests(tiny_llama_dir, decode_group):
     prompts = [list(p) for p in mixed_prompts(49152, seed=7)]
     long_run = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    healthy = start_prefill(tiny_llama_dir)
+    healthy = spawn_prefill(tiny_llama_dir)
+    doomed = spawn_prefill(tiny_llama_dir, die_after_layer_pushes=1)  # both start at once
     try:
         survivors = [f"s{i}" for i in range(3)]
-        run_batch(healthy, decode_group, survivors, prompts[:3], long_run)
+        run_batch(wait_ready(healthy), decode_group, survivors, prompts[:3], long_run)
+    except BaseException:
+        doomed.stop()
+        raise
     finally:
         healthy.stop()
-    doomed = start_prefill(tiny_llama_dir, die_after_layer_pushes=1)
     victims = [f"v{i}" for i in range(3)]
     try:
+        wait_ready(doomed)
         descriptors = {
             rid: reserve(decode_group, doomed, rid, p, PARAMS, ttl=20)
             for rid, p in zip(victims, prompts[3:6])
