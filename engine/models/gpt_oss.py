@@ -120,7 +120,9 @@ class GptOssMoe(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         logits = F.linear(x, self.router.weight, self.router.bias)
         top, ids = torch.topk(logits, self.top_k, dim=-1)
-        weights = torch.softmax(top, dim=-1, dtype=top.dtype)
+        # softmaxed in the logits' dtype, as transformers' router does, then fp32 (exact) as
+        # the experts' kernels take routing weights: bf16 served gpt-oss failed here before
+        weights = torch.softmax(top, dim=-1, dtype=top.dtype).float()
         return self.tp.all_reduce(self.experts(x, weights, ids))
 
 

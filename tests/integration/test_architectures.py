@@ -22,66 +22,12 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine.engine_core import EngineCore
 from tests.integration.hf_reference import hf_greedy, mixed_prompts
 from tests.integration.test_tensor_parallel import make_config, run_group, run_requests
-from tests.tiny_models import write_mxfp4_twin, write_tiny_model
+from tests.tiny_models import CASES, write_mxfp4_twin, write_tiny_model
 from tests.workers.pd import engine_config, generate_pd, loopback_pair, run_engine
 from tests.workers.processes import spawn_prefill, start_decode_group, wait_ready
 from tests.workers.test_processes_pd import assert_all_free, run_batch
 
 MAX_TOKENS = 12
-GEMMA3_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
-GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-               "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}}
-CASES = {
-    "qwen3-gqa-head_dim": ("qwen3", dict(head_dim=32)),
-    "qwen3-mqa-tied-window": ("qwen3", dict(
-        num_key_value_heads=1, tie_word_embeddings=True, use_sliding_window=True,
-        sliding_window=40, max_window_layers=1)),
-    "mistral-window": ("mistral", dict(sliding_window=40)),
-    "phi3": ("phi3", dict(pad_token_id=0)),
-    "phi3-longrope-window": ("phi3", dict(
-        pad_token_id=0, sliding_window=48, original_max_position_embeddings=512,
-        rope_scaling={"type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
-                      "long_factor": [2.0 + i for i in range(8)]})),
-    "gemma2-softcap": ("gemma2", dict(
-        head_dim=16, sliding_window=40, query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
-        final_logit_softcapping=15.0)),
-    "gemma3-local-global": ("gemma3_text", dict(
-        num_hidden_layers=3, head_dim=32, sliding_window=40,
-        layer_types=GEMMA3_TYPES, rope_parameters=GEMMA3_ROPE, query_pre_attn_scalar=32)),
-    "mixtral-top2": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
-    "mixtral-top1-of-2": ("mixtral", dict(num_local_experts=2, num_experts_per_tok=1)),
-    "qwen3moe-top1": ("qwen3_moe", dict(
-        num_experts=8, num_experts_per_tok=1, moe_intermediate_size=48, norm_topk_prob=False)),
-    "qwen3moe-top4-sparse-step": ("qwen3_moe", dict(
-        num_hidden_layers=3, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32,
-        norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[2])),
-    # latent attention: q LoRA, YaRN with mscale, a dense first layer, 2 of 4 expert groups
-    "deepseek-v3-qlora-grouped": ("deepseek_v3", dict(
-        num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48,
-        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24, n_routed_experts=8,
-        n_shared_experts=1, moe_intermediate_size=32, n_group=4, topk_group=2,
-        num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
-                         "original_max_position_embeddings": 256, "mscale": 1.0,
-                         "mscale_all_dim": 1.0})),
-    # one q_proj, top-1 of 4 without renormalizing, two shared experts, every layer sparse
-    "deepseek-v3-qproj-top1": ("deepseek_v3", dict(
-        num_key_value_heads=4, kv_lora_rank=24, q_lora_rank=None, qk_rope_head_dim=8,
-        qk_nope_head_dim=24, v_head_dim=16, n_routed_experts=4, n_shared_experts=2,
-        moe_intermediate_size=16, n_group=1, topk_group=1, num_experts_per_tok=1,
-        first_k_dense_replace=0, norm_topk_prob=False, routed_scaling_factor=1.0)),
-    # attention sinks on sliding-window (40, shorter than the prompts) and full layers; top-2
-    # of 4 biased experts with the clamped SwiGLU; YaRN
-    "gpt-oss-sinks-window": ("gpt_oss", dict(
-        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
-        intermediate_size=32, sliding_window=40,
-        layer_types=["sliding_attention", "full_attention"],
-        rope_parameters={"rope_type": "yarn", "rope_theta": 150_000.0, "factor": 8.0,
-                         "original_max_position_embeddings": 128, "beta_fast": 32.0,
-                         "beta_slow": 1.0, "truncate": False})),
-}
-
-
 @pytest.fixture(scope="module")
 def prompts():
     return mixed_prompts(49152, seed=3)[:4]  # 300 tokens (past every window), 1, shared 150

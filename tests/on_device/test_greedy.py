@@ -1,7 +1,10 @@
 """A whole model on the kernel tests' device (`PDSERVE_KERNEL_DEVICE`) against the torch
-reference on the CPU: greedy, token for token, in every serving variant (fp32, bf16, int8 KV,
-int8 / int4 weights; a dense and a MoE model). In GPU mode (scripts/gpu_check.sh) that is CUDA
-with the Triton kernels, CUDA graphs and all; on the CPU it is the C kernels.
+reference on the CPU: greedy, token for token. A dense and a MoE model in every serving
+variant (fp32, bf16, int8 KV, int8 / int4 weights; n-gram speculation on the dense one), and
+each other architecture's features (tests/tiny_models.py's CASES: windows and soft caps,
+local/global layers, latent attention with grouped routing, sinks with biased experts,
+LongRoPE) in fp32 and bf16. In GPU mode (scripts/gpu_check.sh) that is CUDA with the Triton
+kernels, CUDA graphs and all; on the CPU it is the C kernels.
 
 Random tiny models without a tokenizer (prompts are token ids), written by transformers, so
 the check needs nothing the GPU machine lacks. Where the two runs part, it must be a near tie
@@ -18,7 +21,7 @@ import pytest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.llm import LLM
 from tests.kernel_device import kernel_device
-from tests.tiny_models import write_tiny_model
+from tests.tiny_models import CASES, write_tiny_model
 
 DEVICE = kernel_device(os.environ)
 VOCAB = 512
@@ -32,22 +35,32 @@ VARIANTS = {  # LLM arguments, tolerance of a near tie (reference log-prob gap)
     "int8-weights": ({"dtype": "float32", "quantization": "int8"}, 1e-3),
     "int4-weights": ({"dtype": "float32", "quantization": "int4",
                       "quantization_group_size": 32}, 1e-3),
+    "ngram-spec": ({"dtype": "float32", "speculative_config": {
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}}, 1e-3),
 }
-# On the CPU the C kernels' variants are each checked against the references elsewhere
-# (tests/integration); here fp32 keeps the harness honest at a few seconds.
-CHECKED = list(VARIANTS) if DEVICE == "cuda" else ["fp32"]
-MODELS = {
-    "llama": {},
-    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                  "head_dim": 16},
+MODELS = {  # name: (model_type, overrides, the variants checked on a GPU)
+    "llama": ("llama", {}, list(VARIANTS)),
+    "qwen3_moe": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 32, "head_dim": 16},
+                  [v for v in VARIANTS if v != "ngram-spec"]),
+    **{case: (*CASES[case], ["fp32", "bf16"]) for case in (
+        "gemma2-softcap", "gemma3-local-global", "deepseek-v3-qlora-grouped",
+        "gpt-oss-sinks-window", "phi3-longrope-window")},
 }
+# On the CPU the quantized variants are each checked against the references elsewhere
+# (tests/integration); here every model in fp32 and bf16, and the speculation, keep the
+# harness honest in seconds (and caught gpt-oss in bf16 failing at its routing weights).
+CASES_CHECKED = [(model, variant) for model, (_, _, variants) in MODELS.items()
+                 for variant in variants
+                 if DEVICE == "cuda" or variant in ("fp32", "bf16", "ngram-spec")]
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
-    return {name: str(write_tiny_model(tmp_path_factory.mktemp(name), name, seed=3,
+    return {name: str(write_tiny_model(tmp_path_factory.mktemp(name), model_type, seed=3,
                                        tokenizer=False, vocab_size=VOCAB, **extra))
-            for name, extra in MODELS.items()}
+            for name, (model_type, extra, _) in MODELS.items()
+            if any(model == name for model, _ in CASES_CHECKED)}
 
 
 def _generate(path: str, device: str, backend: str | None, args: dict, logprobs: int | None):
@@ -58,12 +71,12 @@ def _generate(path: str, device: str, backend: str | None, args: dict, logprobs:
     return llm.generate(PROMPTS, params)
 
 
-@pytest.mark.parametrize("variant", CHECKED)
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model,variant", CASES_CHECKED)
 def test_greedy_on_the_device_equals_the_cpu_reference(model_dirs, model, variant):
     args, tie = VARIANTS[variant]
     ours = _generate(model_dirs[model], DEVICE, None, args, None)
-    refs = _generate(model_dirs[model], "cpu", "torch", args, logprobs=20)
+    plain = {k: v for k, v in args.items() if k != "speculative_config"}  # greedy is greedy
+    refs = _generate(model_dirs[model], "cpu", "torch", plain, logprobs=20)
     for i, (out, ref) in enumerate(zip(ours, refs, strict=True)):
         got, want = list(out.token_ids), list(ref.token_ids)
         if got == want:
