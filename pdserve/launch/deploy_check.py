@@ -22,8 +22,10 @@ Then pdserve's invariants, which Ray does not check:
   routable address (`--worker-host`); keep the Redis password off the command line; and its
   pool must fit the nodes the cluster starts with (`pdserve up` checks resources at once, it
   does not wait for the autoscaler): prefill and decode units of the `min_workers` nodes, and
-  on CUDA, per node, `prefill + decode x decode_tp <= GPU` (so decode = GPUs / --decode-tp),
-  the same with CPUs and the thread counts when those are given.
+  on CUDA, per node, `prefill + decode x decode_tp <= GPU` (so decode = GPUs / --decode-tp;
+  where `--decode-tp-placement` lets a group span nodes, only its rank 0 is bound to the node
+  with the `decode` resource, and the cluster's GPUs must hold every rank), the same with CPUs
+  and the thread counts when those are given.
 """
 
 from __future__ import annotations
@@ -271,19 +273,28 @@ def _fit_problems(groups: Sequence[NodeGroup], s: ServeSettings) -> list[str]:
                 "does not wait for the autoscaler)")
     for g in groups:
         problems += _node_fit_problems(g, s)
+    gpus = sum(g.count * g.resources.get("GPU", 0) for g in groups)
+    need = num_prefill + s.decode_workers * s.decode_tp
+    if s.device.startswith("cuda") and need > gpus:
+        problems.append(f"pdserve: {num_prefill} prefill + {s.decode_workers} decode x "
+                        f"--decode-tp {s.decode_tp} = {need} GPUs, the nodes the cluster starts "
+                        f"with have {gpus:g}")
     return problems
 
 
 def _node_fit_problems(g: NodeGroup, s: ServeSettings) -> list[str]:
     """Every role unit a node declares must be usable at once on that node."""
     p, d = g.resources.get(PREFILL, 0), g.resources.get(DECODE, 0)
+    # the ranks of a group bound to its `decode` node: all of them, or rank 0 where the
+    # placement lets the others go to other nodes
+    tp = s.decode_tp if s.decode_tp_placement == "STRICT_PACK" else 1
     uses = []  # (resource, units needed, how they add up)
     if s.device.startswith("cuda"):
-        uses.append(("GPU", p + d * s.decode_tp,
-                     f"{p:g} prefill + {d:g} decode x --decode-tp {s.decode_tp} (one GPU "
+        uses.append(("GPU", p + d * tp,
+                     f"{p:g} prefill + {d:g} decode x --decode-tp {tp} (one GPU "
                      "each: decode = (GPUs - prefill) / --decode-tp)"))
     if (s.prefill_threads or not p) and (s.decode_threads or not d):
-        cpus = p * (s.prefill_threads or 0) + d * s.decode_tp * (s.decode_threads or 0)
+        cpus = p * (s.prefill_threads or 0) + d * tp * (s.decode_threads or 0)
         uses.append(("CPU", cpus, f"{p:g} prefill x --prefill-threads + {d:g} decode x "
                      "--decode-tp x --decode-threads"))
     return [f"pdserve: {g.name}: {how} = {n:g} {key}, the node has {g.resources[key]:g}"

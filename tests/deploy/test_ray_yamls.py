@@ -158,6 +158,8 @@ def test_missing_role_resource():
     "flags, message",
     [
         ("--decode-tp 4", "4 decode x --decode-tp 4"),  # decode: 4 no longer fits 8 GPUs
+        # ranks may leave the node, but the cluster's GPUs still hold them all
+        ("--decode-tp 8 --decode-tp-placement PACK", "4 decode x --decode-tp 8 = 40 GPUs"),
         ("--prefill-workers 9", "asks for 9 prefill workers"),
         ("--decode-threads 32", "--decode-threads = 256 CPU"),
         ("--prefil-workers 2", "unrecognized arguments"),  # the CLI's own parser
