@@ -106,6 +106,7 @@ class DecodeRankActor:
     def __init__(self, spec: dict[str, Any], rank: int, tp_size: int) -> None:
         if not 0 <= rank < tp_size:
             raise ValueError(f"rank {rank} is not in a TP group of {tp_size}")
+        self.given = spec
         self.spec = WorkerSpec.from_dict(spec).with_resolved_host()
         self.rank, self.tp_size = rank, tp_size
         self.secret = ClusterSecret.from_env()
@@ -164,6 +165,12 @@ class DecodeRankActor:
                                          name=f"decode-rank-{self.rank}", daemon=True)
         self.follower.start()
         return None
+
+    def identity(self, challenge: str) -> dict[str, Any]:
+        """What an owner adopting this group checks (`Worker.adopt`): the spec and group size
+        it was started with and the challenge signed with its cluster secret."""
+        return {"spec": self.given, "tp_size": self.tp_size,
+                "proof": self.secret.sign("adopt", challenge)}
 
     def ping(self) -> str | None:
         """Rank 0: its address; others: None. Raises when this rank can no longer serve."""

@@ -23,4 +23,7 @@ METRICS_URL = f"http://{HOST}:{METRICS_PORT}/metrics"
 # secret): never from its actor arguments or a URL handed to it.
 REDIS_PASSWORD_ENV = "PDSERVE_REDIS_PASSWORD"
 # Where a decode group's ranks go: Ray's placement strategies, STRICT_PACK (one node) first.
+# The Ray namespace of the drivers that join a cluster: a deployment's detached workers and
+# placement groups are found there by name when its owner restarts (`Worker.adopt`).
+RAY_NAMESPACE = "pdserve"
 TP_PLACEMENTS = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")

@@ -23,9 +23,16 @@ logger = logging.getLogger(__name__)
 
 class PrefillActor:
     def __init__(self, spec: dict[str, Any]) -> None:
+        self.given = spec
         self.spec = WorkerSpec.from_dict(spec).with_resolved_host()
-        self.service = PrefillService(self.spec, ClusterSecret.from_env(),
+        self.secret = ClusterSecret.from_env()
+        self.service = PrefillService(self.spec, self.secret,
                                       os.environ.get(defaults.REDIS_PASSWORD_ENV))
+
+    def identity(self, challenge: str) -> dict[str, Any]:
+        """What an owner adopting this worker checks (`Worker.adopt`): the spec it was started
+        with and the challenge signed with its cluster secret."""
+        return {"spec": self.given, "proof": self.secret.sign("adopt", challenge)}
 
     def address(self) -> str:
         return self.service.address

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import ray
+from ray.util.placement_group import remove_placement_group
 
 from pdserve.cluster_secret import ClusterSecret
 from pdserve.launch.supervisor import Callback, Supervisor
@@ -55,6 +56,7 @@ class WorkerPool:
         gpus: bool = False,
         num_cpus: float | None = None,
         tp_placement: str = "STRICT_PACK",
+        deployment: str | None = None,
         start_timeout_s: float = START_TIMEOUT_S,
         ping_timeout_s: float = PING_TIMEOUT_S,
         *,
@@ -63,7 +65,9 @@ class WorkerPool:
     ) -> None:
         """`num_cpus` per actor (each decode rank is one); default: the spec's num_threads.
         `secret` authenticates the worker plane; each actor gets it, and the Redis password its
-        prefix events need, in its runtime_env."""
+        prefix events need, in its runtime_env. `deployment` names the workers detached from
+        this process (`Worker`): `start` adopts the ones an earlier owner of that deployment
+        left running."""
         if not isinstance(secret, ClusterSecret):
             raise ValueError("WorkerPool needs secret=ClusterSecret (ClusterSecret.generate() "
                              "or ClusterSecret.from_env())")
@@ -72,6 +76,9 @@ class WorkerPool:
         if len(tps) != len(decode) or any(tp < 1 for tp in tps):
             raise ValueError(f"decode_tp must be one size >= 1 per decode worker, got {tps}")
         self.gpus, self.num_cpus, self.tp_placement = gpus, num_cpus, tp_placement
+        if deployment is not None and (not deployment or "/" in deployment):
+            raise ValueError(f"deployment must be a name without '/', got {deployment!r}")
+        self.deployment = deployment
         self.start_timeout_s, self.ping_timeout_s = start_timeout_s, ping_timeout_s
         workers = [self._worker(s, PREFILL, 1) for s in prefill]
         workers += [self._worker(s, DECODE, tp) for s, tp in zip(decode, tps)]
@@ -86,7 +93,7 @@ class WorkerPool:
     def _worker(self, spec: WorkerSpec, role: str, tp_size: int) -> Worker:
         return Worker(spec, role, tp_size, self.num_cpus or spec.num_threads or 1, self.gpus,
                       secret=self.secret, redis_password=self.redis_password,
-                      tp_placement=self.tp_placement)
+                      tp_placement=self.tp_placement, deployment=self.deployment)
 
     # ---- start ----
 
@@ -94,12 +101,35 @@ class WorkerPool:
         """Create every worker and wait until each serves; raises (stopping all) otherwise."""
         self._check_resources()
         try:
-            pending = {wid: w.launch() for wid, w in self._workers.items()}
+            adopted = {wid for wid, w in self._workers.items() if w.adopt(self.ping_timeout_s)}
+            for wid in sorted(adopted):
+                logger.info("worker %s adopted at %s", wid, self._workers[wid].info.address)
+            self._stop_strangers()
+            pending = {wid: w.launch() for wid, w in self._workers.items() if wid not in adopted}
             self._wait(pending, time.monotonic() + self.start_timeout_s)
         except BaseException:
             self.shutdown()
             raise
         return self.infos()
+
+    def _stop_strangers(self) -> None:
+        """Kill the deployment's workers an earlier owner left that this pool does not hold
+        (the planner's, say): nobody would supervise or stop them."""
+        if self.deployment is None:
+            return
+        strangers = set()
+        for name in ray.util.list_named_actors():
+            deployment, _, rest = name.partition("/")
+            worker_id = rest.split("/", 1)[0]
+            if deployment == self.deployment and worker_id not in self._workers:
+                strangers.add(worker_id)
+                with contextlib.suppress(Exception):
+                    ray.kill(ray.get_actor(name), no_restart=True)
+        for worker_id in sorted(strangers):
+            logger.info("worker %s, left by an earlier owner, stopped", worker_id)
+            with contextlib.suppress(Exception):
+                remove_placement_group(ray.util.get_placement_group(
+                    f"{self.deployment}/{worker_id}"))
 
     def infos(self) -> list[WorkerInfo]:
         """The workers that are up now."""

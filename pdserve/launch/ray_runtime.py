@@ -43,7 +43,7 @@ def start_ray(address: str | None, resources: dict[str, float], num_cpus: int | 
         _send_token_if_needed(address)
     loopback = host in defaults.LOOPBACK_HOSTS
     with _loopback_stays_loopback() if loopback else contextlib.nullcontext(), _signals_kept():
-        ray.init(address=address)
+        ray.init(address=address, namespace=defaults.RAY_NAMESPACE)
 
 
 def _send_token_if_needed(address: str) -> None:

@@ -237,6 +237,9 @@ class Service:
             decode=decode,
             decode_tp=s.decode_tp,
             tp_placement=s.decode_tp_placement,
+            # on a cluster it joined, the workers outlive this process (a crash): a restarted
+            # owner of the deployment adopts them (pdserve.launch.worker)
+            deployment=s.redis_namespace if s.ray_address else None,
             gpus=s.device.startswith("cuda"),
             ping_timeout_s=s.worker_silence_s,
             secret=self.secret,

@@ -209,7 +209,9 @@ class ServeSettings:
         "prefer --api-token-file: argv shows in `ps`")
     api_token_file: str | None = _opt(
         None, "file of API tokens, one per line (several clients, each its own sessions)")
-    redis_namespace: str = _opt(DEFAULT_NAMESPACE, "prefix of every Redis key")
+    redis_namespace: str = _opt(
+        DEFAULT_NAMESPACE, "prefix of every Redis key; on a Ray cluster pdserve joined, also "
+        "the deployment's name (its registry, its detached workers' names)")
     session_ttl_s: int = _opt(3600, "seconds a session outlives its last turn")
     session_max_tokens: int = _opt(16384, "tokens of a session's history kept in Redis")
     max_sessions_per_token: int = _opt(
@@ -236,6 +238,9 @@ class ServeSettings:
         if self.prefill_placement not in PREFILL_PLACEMENTS:
             raise ValueError(f"prefill_placement must be adaptive or fixed, got "
                              f"{self.prefill_placement!r}")
+        if not self.redis_namespace or "/" in self.redis_namespace:
+            raise ValueError(f"redis_namespace must be a non-empty name without '/', got "
+                             f"{self.redis_namespace!r}")
         if self.decode_tp_placement not in defaults.TP_PLACEMENTS:
             raise ValueError("decode_tp_placement must be one of "
                              f"{', '.join(defaults.TP_PLACEMENTS)}, "

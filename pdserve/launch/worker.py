@@ -8,6 +8,16 @@ Ray never restarts an actor itself (max_restarts=0): a TP group only works whole
 worker is killed and launched again, every rank, under the same worker_id.
 Every actor starts with the cluster secret (and the Redis password) in its environment
 (Ray's runtime_env), so neither travels in argv, actor arguments or logs.
+
+A worker of a named deployment (`deployment`: `pdserve up` on a cluster it joined) is detached
+from its owner: its actors are named `<deployment>/<worker id>/<launch>/<rank>` and its
+placement group `<deployment>/<worker id>`, both with Ray's detached lifetime in the drivers'
+namespace (`defaults.RAY_NAMESPACE`), so they outlive an owner that dies (SIGKILL, OOM, its
+node lost) and keep serving the deployment's other routers. The owner's replacement `adopt`s
+them: every rank of a launch alive, started with the spec it would start, holding its
+cluster secret (a signed challenge) and serving; anything else of the worker's it finds is
+killed and the worker launched anew. An owner that stops (Ctrl-C, SIGTERM after the drain)
+stops its workers as before.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import secrets
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -79,12 +90,13 @@ class Worker:
 
     def __init__(self, spec: WorkerSpec, role: str, tp_size: int, cpus: float,
                  gpus: bool, *, secret: ClusterSecret, redis_password: str | None = None,
-                 tp_placement: str = "STRICT_PACK") -> None:
+                 tp_placement: str = "STRICT_PACK", deployment: str | None = None) -> None:
         if tp_placement not in defaults.TP_PLACEMENTS:
             raise ValueError("tp_placement must be one of "
                              f"{', '.join(defaults.TP_PLACEMENTS)}, got {tp_placement!r}")
         self.spec, self.role, self.tp_size = spec, role, tp_size
-        self.tp_placement = tp_placement
+        self.tp_placement, self.deployment = tp_placement, deployment
+        self.secret = secret
         self.env = secret.to_env() | (
             {defaults.REDIS_PASSWORD_ENV: redis_password} if redis_password else {})
         self.cpus, self.gpus = cpus, gpus  # per actor (each decode rank is one)
@@ -117,11 +129,19 @@ class Worker:
         ranks = [Counter(self.bundle(r)) for r in range(self.tp_size)]
         return ranks if self.tp_placement == "STRICT_SPREAD" else [sum(ranks, Counter())]
 
+    @property
+    def _prefix(self) -> str:
+        """The worker's names in the deployment: its placement group's, its actors' start."""
+        return f"{self.deployment}/{self.worker_id}"
+
     def launch(self) -> list[Any]:
         """Create the actors; refs whose first value is the worker's address once it serves."""
         opts = {"max_restarts": 0, "max_task_retries": 0, "num_cpus": self.cpus,
                 "num_gpus": 1 if self.gpus else 0,
                 "runtime_env": {"env_vars": self.env}}
+        named = self.deployment is not None
+        launch = f"{self._prefix}/{secrets.token_hex(4)}"  # a relaunch's names are new ones
+        detached = {"lifetime": "detached"} if named else {}
         cls, spec = _actor_class(self.role), self.spec.to_dict()
         with self._lock:
             if self._closed:
@@ -129,21 +149,81 @@ class Worker:
                                    "worker removed)")
             if self.role == PREFILL:
                 self._actors = [cls.options(resources={PREFILL: 1}, max_concurrency=2,
-                                            **opts).remote(spec)]
+                                            **({"name": f"{launch}/0"} if named else {}),
+                                            **detached, **opts).remote(spec)]
                 return [self._actors[0].address.remote()]
             if self._pg is None or placement_group_table(self._pg).get("state") in (
                     None, "REMOVED"):
                 self._pg = placement_group([self.bundle(r) for r in range(self.tp_size)],
-                                           strategy=self.tp_placement)
+                                           strategy=self.tp_placement,
+                                           name=self._prefix if named else "",
+                                           lifetime="detached" if named else None)
             self._actors = [
                 cls.options(
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, r),
-                    resources={DECODE: 1} if r == 0 else {}, max_concurrency=4, **opts,
+                    resources={DECODE: 1} if r == 0 else {}, max_concurrency=4,
+                    **({"name": f"{launch}/{r}"} if named else {}), **detached, **opts,
                 ).remote(spec, r, self.tp_size)
                 for r in range(self.tp_size)
             ]
             rendezvous = self._actors[0].rendezvous.remote()
             return [a.start.remote(rendezvous) for a in self._actors]
+
+    def adopt(self, timeout_s: float) -> WorkerInfo | None:
+        """A launch of this worker an earlier owner of the deployment left running, taken over
+        if every rank of it is alive, was started with this worker's spec and group size,
+        signs a challenge with this pool's cluster secret and serves; its info, or None when
+        there is none to adopt. Whatever else of the worker is found (a launch cut short, or
+        one of other settings or another secret) is killed, so a launch starts clean."""
+        if self.deployment is None:
+            return None
+        launches: dict[str, dict[int, Any]] = {}
+        for name in ray.util.list_named_actors():
+            head, _, rank = name.rpartition("/")
+            if head.rpartition("/")[0] == self._prefix and rank.isdigit():
+                with contextlib.suppress(ValueError):  # gone meanwhile
+                    launches.setdefault(head, {})[int(rank)] = ray.get_actor(name)
+        adopted = None
+        for ranks in launches.values():
+            actors = [ranks[r] for r in sorted(ranks)]
+            if adopted is None and sorted(ranks) == list(range(self.tp_size)):
+                adopted = self._take(actors, timeout_s)
+                if adopted is not None:
+                    continue
+            for actor in actors:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+        if self.role == DECODE:
+            with contextlib.suppress(ValueError):  # none: a launch creates it
+                pg = ray.util.get_placement_group(self._prefix)
+                if adopted is None:
+                    remove_placement_group(pg)
+                else:
+                    self._pg = pg
+        return adopted
+
+    def _take(self, actors: list[Any], timeout_s: float) -> WorkerInfo | None:
+        challenge = secrets.token_hex(16)
+        try:
+            found = ray.get([a.identity.remote(challenge) for a in actors], timeout=timeout_s)
+            address = ray.get(actors[0].ping.remote(), timeout=timeout_s)
+        except Exception as e:  # a rank dead or stuck: not a worker to adopt
+            logger.info("worker %s: a launch left running does not answer (%s)",
+                        self.worker_id, e)
+            return None
+        spec = self.spec.to_dict()
+        for identity in found:
+            if identity["spec"] != spec or identity.get("tp_size", 1) != self.tp_size:
+                logger.info("worker %s: the launch left running has other settings; "
+                            "launching anew", self.worker_id)
+                return None
+            if not self.secret.verify(identity["proof"], "adopt", challenge):
+                logger.info("worker %s: the launch left running holds another cluster "
+                            "secret; launching anew", self.worker_id)
+                return None
+        with self._lock:
+            self._actors = actors
+        return self.serving(address)
 
     def serving(self, address: str) -> WorkerInfo:
         """Record that the launched actors serve at `address`."""

@@ -26,6 +26,7 @@ from pdserve.launch.pool import WorkerPool
 from pdserve.launch.worker import WorkerInfo
 from pdserve.proto import pdserve_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.worker_spec import WorkerSpec
+from tests.e2e.harness import wait_until
 from tests.ray_cluster import local_cluster
 from tests.workers.pd import engine_config, run_engine
 
@@ -214,6 +215,84 @@ def test_decode_tp2_group_spread_over_two_nodes(pool, tiny_llama_dir):
         assert generate(prefill, info, "spread-a", prompt, 8) == expected[0]
     finally:
         group.shutdown()
+
+
+OWNER = """
+import json, sys, threading
+from pdserve.cluster_secret import ClusterSecret
+from pdserve.launch.pool import WorkerPool
+from pdserve.launch.ray_runtime import start_ray
+from pdserve.worker_spec import WorkerSpec
+address, spec = sys.argv[1], WorkerSpec.from_dict(json.loads(sys.argv[2]))
+start_ray(address, {}, None, None)
+pool = WorkerPool(decode=[spec], decode_tp=2, deployment="adopt-test",
+                  secret=ClusterSecret.from_env())
+[info] = pool.start()
+print(json.dumps({"address": info.address, "pids": pool.pids(spec.worker_id)}), flush=True)
+threading.Event().wait()  # until SIGKILLed: an owner that dies without stopping anything
+"""
+
+
+def named_actors(prefix: str) -> list[str]:
+    import ray
+
+    return [n for n in ray.util.list_named_actors() if n.startswith(prefix)]
+
+
+def test_a_dead_owners_workers_are_adopted(pool, tiny_llama_dir, tmp_path):
+    """An owner of deployment "adopt-test" (a process of its own) starts a decode TP-2 group
+    and is SIGKILLed: the group's detached actors keep serving. A pool of the same deployment,
+    spec and secret adopts them (the same processes, serving greedy output) instead of
+    starting new ones; one of other settings, or another secret, kills them and launches its
+    own. A pool that shuts down leaves no actor or placement group of the deployment."""
+    import ray
+
+    prefill = by_id(pool)["prefill-0"]
+    wspec = spec(tiny_llama_dir, "adopt-d")
+    env = {**os.environ, "PDSERVE_CLUSTER_SECRET": SECRET.value.decode()}
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, ray.get_runtime_context().gcs_address,
+                              json.dumps(wspec.to_dict())], env=env, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        started = json.loads(owner.stdout.readline())
+    finally:
+        owner.kill()
+        owner.wait()
+    prompt = list(range(9, 50))
+    expected = run_engine(EngineCore(engine_config(tiny_llama_dir)), [prompt],
+                          SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    info = WorkerInfo("adopt-d", "decode", started["address"], 2)
+    assert generate(prefill, info, "orphaned", prompt, 8) == expected  # served, owner gone
+
+    adopter = WorkerPool(decode=[wspec], decode_tp=2, deployment="adopt-test", secret=SECRET)
+    [adopted] = adopter.start()
+    assert adopted.address == started["address"]
+    assert adopter.pids("adopt-d") == started["pids"]  # no worker restarted
+    assert generate(prefill, adopted, "adopted", prompt, 8) == expected
+    assert get_load(adopted).num_used_blocks == 0
+    adopter._workers.clear()  # forget them without stopping, as a crash would
+
+    other_secret = WorkerPool(decode=[wspec], decode_tp=2, deployment="adopt-test",
+                              secret=ClusterSecret.generate())
+    try:
+        [fresh] = other_secret.start()
+        assert fresh.address != started["address"]
+        assert not set(other_secret.pids("adopt-d")) & set(started["pids"])
+    finally:
+        other_secret._workers.clear()  # left running for the next owner: it has our spec
+
+    other_spec = WorkerSpec.from_dict({**wspec.to_dict(), "num_kv_blocks": NUM_BLOCKS // 2})
+    last = WorkerPool(decode=[other_spec], decode_tp=2, deployment="adopt-test",
+                      secret=SECRET)
+    try:
+        [relaunched] = last.start()  # the other secret's launch: killed, not adopted
+        assert relaunched.address != fresh.address
+        assert get_load(relaunched).num_blocks == NUM_BLOCKS // 2
+    finally:
+        last.shutdown()
+    wait_until(lambda: not named_actors("adopt-test/"), 30, "the deployment's actors gone")
+    with pytest.raises(ValueError):
+        ray.util.get_placement_group("adopt-test/adopt-d")
 
 
 @pytest.mark.parametrize("kwargs, missing", [
