@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -87,6 +89,17 @@ def running(settings: ServeSettings) -> Iterator[ServiceThread]:
         yield service
     finally:
         service.stop()
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM (a `pdserve up` drains and stops), then SIGKILL after `timeout` seconds."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 def free_port() -> int:

@@ -25,7 +25,14 @@ from pdserve import cluster_secret
 from pdserve.cluster_secret import ClusterSecret
 from pdserve.launch.redis_server import RedisServer
 from pdserve.proto import worker_pb2, worker_pb2_grpc
-from tests.e2e.harness import free_port, greedy_stream, offline_greedy, token_prompts, wait_until
+from tests.e2e.harness import (
+    free_port,
+    greedy_stream,
+    offline_greedy,
+    stop_process,
+    token_prompts,
+    wait_until,
+)
 
 DEPLOYMENT = "owner-restart"  # its registry and its workers' names: this module's own
 REDIS_PASSWORD = "owner-restart-redis"
@@ -69,13 +76,7 @@ class Up:
         assert self.proc.poll() is None, f"pdserve up exited; see {self.log_path}"
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc)
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from tests.e2e.harness import (
     greedy_stream,
     offline_greedy,
     running,
+    stop_process,
     tiny_settings,
     token_prompts,
     wait_until,
@@ -107,13 +108,7 @@ class RouterOnlyProcess:
                              f"(exit {self.proc.poll()}); see {self.log.name}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc)
         self.log.close()
 
 
