@@ -19,11 +19,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import ray
-from ray.util.placement_group import remove_placement_group
 
 from pdserve.cluster_secret import ClusterSecret
 from pdserve.launch.supervisor import Callback, Supervisor
-from pdserve.launch.worker import DECODE, PREFILL, Worker, WorkerInfo, gather_refs
+from pdserve.launch.worker import (
+    DECODE,
+    PREFILL,
+    Worker,
+    WorkerInfo,
+    deployment_launches,
+    gather_refs,
+    retire,
+)
 from pdserve.worker_spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -101,10 +108,7 @@ class WorkerPool:
         """Create every worker and wait until each serves; raises (stopping all) otherwise."""
         self._check_resources()
         try:
-            adopted = {wid for wid, w in self._workers.items() if w.adopt(self.ping_timeout_s)}
-            for wid in sorted(adopted):
-                logger.info("worker %s adopted at %s", wid, self._workers[wid].info.address)
-            self._stop_strangers()
+            adopted = self._adopt() if self.deployment else set()
             pending = {wid: w.launch() for wid, w in self._workers.items() if wid not in adopted}
             self._wait(pending, time.monotonic() + self.start_timeout_s)
         except BaseException:
@@ -112,24 +116,19 @@ class WorkerPool:
             raise
         return self.infos()
 
-    def _stop_strangers(self) -> None:
-        """Kill the deployment's workers an earlier owner left that this pool does not hold
-        (the planner's, say): nobody would supervise or stop them."""
-        if self.deployment is None:
-            return
-        strangers = set()
-        for name in ray.util.list_named_actors():
-            deployment, _, rest = name.partition("/")
-            worker_id = rest.split("/", 1)[0]
-            if deployment == self.deployment and worker_id not in self._workers:
-                strangers.add(worker_id)
-                with contextlib.suppress(Exception):
-                    ray.kill(ray.get_actor(name), no_restart=True)
-        for worker_id in sorted(strangers):
-            logger.info("worker %s, left by an earlier owner, stopped", worker_id)
-            with contextlib.suppress(Exception):
-                remove_placement_group(ray.util.get_placement_group(
-                    f"{self.deployment}/{worker_id}"))
+    def _adopt(self) -> set[str]:
+        """The workers an earlier owner of the deployment left serving, taken over (`Worker.
+        adopt`); what else of the deployment it left (the planner's workers, say: nobody
+        would supervise them) stopped. The ids of those taken over."""
+        found = deployment_launches(self.deployment)
+        adopted = {wid for wid, w in self._workers.items()
+                   if w.adopt(found.pop(wid, {}), self.ping_timeout_s)}
+        for wid in sorted(adopted):
+            logger.info("worker %s adopted at %s", wid, self._workers[wid].info.address)
+        for wid, launches in sorted(found.items()):
+            retire(f"{self.deployment}/{wid}", launches)
+            logger.info("worker %s, left by an earlier owner, stopped", wid)
+        return adopted
 
     def infos(self) -> list[WorkerInfo]:
         """The workers that are up now."""

@@ -51,6 +51,34 @@ logger = logging.getLogger(__name__)
 PREFILL, DECODE = "prefill", "decode"  # the roles, and the custom resources that place them
 
 
+Launches = dict[str, dict[int, Any]]  # a worker's launches left running: launch -> rank -> actor
+
+
+def deployment_launches(deployment: str) -> dict[str, Launches]:
+    """The actors a deployment's workers run now, by worker id, launch and rank (their names,
+    `<deployment>/<worker id>/<launch>/<rank>`, read from Ray once)."""
+    found: dict[str, Launches] = {}
+    for name in ray.util.list_named_actors():
+        parts = name.split("/")
+        if len(parts) == 4 and parts[0] == deployment and parts[3].isdigit():
+            with contextlib.suppress(ValueError):  # gone meanwhile
+                actor = ray.get_actor(name)
+                found.setdefault(parts[1], {}).setdefault(parts[2], {})[int(parts[3])] = actor
+    return found
+
+
+def retire(prefix: str, launches: Launches, placement_group: bool = True) -> None:
+    """Kill every actor of `launches` and (`placement_group`) the placement group named
+    `prefix` (`<deployment>/<worker id>`), where one exists."""
+    for ranks in launches.values():
+        for actor in ranks.values():
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+    if placement_group:
+        with contextlib.suppress(ValueError):  # none (a prefill worker, or never created)
+            remove_placement_group(ray.util.get_placement_group(prefix))
+
+
 @dataclass(frozen=True)
 class WorkerInfo:
     worker_id: str
@@ -141,7 +169,10 @@ class Worker:
                 "runtime_env": {"env_vars": self.env}}
         named = self.deployment is not None
         launch = f"{self._prefix}/{secrets.token_hex(4)}"  # a relaunch's names are new ones
-        detached = {"lifetime": "detached"} if named else {}
+
+        def naming(rank: int) -> dict[str, Any]:  # a deployment's actors: detached, by name
+            return {"name": f"{launch}/{rank}", "lifetime": "detached"} if named else {}
+
         cls, spec = _actor_class(self.role), self.spec.to_dict()
         with self._lock:
             if self._closed:
@@ -149,8 +180,7 @@ class Worker:
                                    "worker removed)")
             if self.role == PREFILL:
                 self._actors = [cls.options(resources={PREFILL: 1}, max_concurrency=2,
-                                            **({"name": f"{launch}/0"} if named else {}),
-                                            **detached, **opts).remote(spec)]
+                                            **naming(0), **opts).remote(spec)]
                 return [self._actors[0].address.remote()]
             if self._pg is None or placement_group_table(self._pg).get("state") in (
                     None, "REMOVED"):
@@ -162,44 +192,30 @@ class Worker:
                 cls.options(
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, r),
                     resources={DECODE: 1} if r == 0 else {}, max_concurrency=4,
-                    **({"name": f"{launch}/{r}"} if named else {}), **detached, **opts,
+                    **naming(r), **opts,
                 ).remote(spec, r, self.tp_size)
                 for r in range(self.tp_size)
             ]
             rendezvous = self._actors[0].rendezvous.remote()
             return [a.start.remote(rendezvous) for a in self._actors]
 
-    def adopt(self, timeout_s: float) -> WorkerInfo | None:
-        """A launch of this worker an earlier owner of the deployment left running, taken over
-        if every rank of it is alive, was started with this worker's spec and group size,
-        signs a challenge with this pool's cluster secret and serves; its info, or None when
-        there is none to adopt. Whatever else of the worker is found (a launch cut short, or
-        one of other settings or another secret) is killed, so a launch starts clean."""
-        if self.deployment is None:
-            return None
-        launches: dict[str, dict[int, Any]] = {}
-        for name in ray.util.list_named_actors():
-            head, _, rank = name.rpartition("/")
-            if head.rpartition("/")[0] == self._prefix and rank.isdigit():
-                with contextlib.suppress(ValueError):  # gone meanwhile
-                    launches.setdefault(head, {})[int(rank)] = ray.get_actor(name)
-        adopted = None
-        for ranks in launches.values():
-            actors = [ranks[r] for r in sorted(ranks)]
-            if adopted is None and sorted(ranks) == list(range(self.tp_size)):
-                adopted = self._take(actors, timeout_s)
+    def adopt(self, launches: Launches, timeout_s: float) -> WorkerInfo | None:
+        """Of `launches` (this worker's, as `deployment_launches` found them), the one an
+        earlier owner left serving, taken over if every rank of it is alive, was started with
+        this worker's spec and group size and signs a challenge with this pool's cluster
+        secret: its info, or None. The others (cut short, other settings, another secret) are
+        killed, and the placement group too when none is taken, so a launch starts clean."""
+        adopted, taken = None, None
+        for launch, ranks in launches.items():
+            if sorted(ranks) == list(range(self.tp_size)):
+                adopted = self._take([ranks[r] for r in sorted(ranks)], timeout_s)
                 if adopted is not None:
-                    continue
-            for actor in actors:
-                with contextlib.suppress(Exception):
-                    ray.kill(actor, no_restart=True)
-        if self.role == DECODE:
-            with contextlib.suppress(ValueError):  # none: a launch creates it
-                pg = ray.util.get_placement_group(self._prefix)
-                if adopted is None:
-                    remove_placement_group(pg)
-                else:
-                    self._pg = pg
+                    taken = launch
+                    break
+        retire(self._prefix, {k: v for k, v in launches.items() if k != taken},
+               placement_group=adopted is None)
+        if adopted is not None and self.role == DECODE:
+            self._pg = ray.util.get_placement_group(self._prefix)
         return adopted
 
     def _take(self, actors: list[Any], timeout_s: float) -> WorkerInfo | None:
